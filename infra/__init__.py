@@ -1,0 +1,3 @@
+"""Components of the stack: one module per thing it builds, over pure functions."""
+
+PROJECT = "gemma-tpu"

@@ -1,0 +1,120 @@
+"""The GKE cluster with the Ray Operator add-on, and in Standard mode its TPU slice node pool."""
+
+from __future__ import annotations
+
+import pulumi
+import pulumi_gcp as gcp
+
+from infra import PROJECT
+from infra.config import StackConfig
+
+TPU_POOL_NAME = "tpu-multi-host-pool"
+
+
+def ray_addon() -> gcp.container.ClusterAddonsConfigArgs:
+    # Typed args, so a misspelt field fails here rather than passing through as an unknown key.
+    return gcp.container.ClusterAddonsConfigArgs(
+        ray_operator_configs=[
+            gcp.container.ClusterAddonsConfigRayOperatorConfigArgs(
+                enabled=True,
+                ray_cluster_logging_config={"enabled": True},
+                ray_cluster_monitoring_config={"enabled": True},
+            )
+        ]
+    )
+
+
+def cluster_args(cfg: StackConfig) -> dict:
+    """Inputs of the container.Cluster for the chosen mode."""
+    common = {
+        "name": cfg.cluster_name,
+        "project": cfg.project,
+        "location": cfg.location,
+        "min_master_version": cfg.cluster_version,
+        "deletion_protection": cfg.deletion_protection,
+        "addons_config": ray_addon(),
+    }
+    if cfg.autopilot:
+        # Autopilot brings Workload Identity, Dataplane V2 and image streaming itself.
+        return common | {"enable_autopilot": True}
+    return common | {
+        "initial_node_count": 1,
+        "node_config": {
+            "machine_type": cfg.head_machine_type,
+            "gcfs_config": {"enabled": True},
+            "workload_metadata_config": {"mode": "GKE_METADATA"},
+        },
+        "datapath_provider": "ADVANCED_DATAPATH",
+        "workload_identity_config": {"workload_pool": f"{cfg.project}.svc.id.goog"},
+    }
+
+
+def workload_policy_args(cfg: StackConfig) -> dict:
+    return {
+        "name": f"{cfg.cluster_name}-placement",
+        "project": cfg.project,
+        "region": cfg.region,
+        "workload_policy": {"type": "HIGH_THROUGHPUT", "accelerator_topology": cfg.slice.topology},
+    }
+
+
+def tpu_node_config(cfg: StackConfig) -> dict:
+    node = {
+        "machine_type": cfg.slice.generation.machine_type,
+        "workload_metadata_config": {"mode": "GKE_METADATA"},
+        "gcfs_config": {"enabled": True},
+    }
+    if cfg.spot:
+        node["spot"] = True
+    if cfg.reservation:
+        node["reservation_affinity"] = {
+            "consume_reservation_type": "SPECIFIC_RESERVATION",
+            "key": "compute.googleapis.com/reservation-name",
+            "values": [cfg.reservation],
+        }
+    return node
+
+
+def tpu_pool_args(cfg: StackConfig, cluster_name: pulumi.Input[str], policy_name: pulumi.Input[str] | None) -> dict:
+    placement = {"type": "COMPACT"}
+    if cfg.slice.generation.uses_workload_policy:
+        placement["policy_name"] = policy_name
+    else:
+        placement["tpu_topology"] = cfg.slice.topology
+    return {
+        "name": TPU_POOL_NAME,
+        "project": cfg.project,
+        "cluster": cluster_name,
+        "location": cfg.location,
+        "node_count": cfg.slice.hosts,
+        "node_config": tpu_node_config(cfg),
+        "placement_policy": placement,
+    }
+
+
+class GkeCluster(pulumi.ComponentResource):
+    """The cluster; in Standard mode also the TPU slice node pool (and Ironwood's workload policy)."""
+
+    def __init__(self, name: str, cfg: StackConfig, opts: pulumi.ResourceOptions | None = None):
+        super().__init__(f"{PROJECT}:infra:GkeCluster", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        self.cluster = gcp.container.Cluster(
+            name,
+            **cluster_args(cfg),
+            opts=child.merge(pulumi.ResourceOptions(custom_timeouts=pulumi.CustomTimeouts(create="45m"))),
+        )
+        self.tpu_pool = None
+        if not cfg.autopilot:
+            policy_name = None
+            if cfg.slice.generation.uses_workload_policy:
+                policy = gcp.compute.ResourcePolicy(f"{name}-workload-policy", **workload_policy_args(cfg), opts=child)
+                policy_name = policy.name
+            self.tpu_pool = gcp.container.NodePool(
+                f"{name}-tpu",
+                **tpu_pool_args(cfg, self.cluster.name, policy_name),
+                opts=child.merge(pulumi.ResourceOptions(custom_timeouts=pulumi.CustomTimeouts(create="60m"))),
+            )
+        self.name = self.cluster.name
+        self.endpoint = self.cluster.endpoint
+        self.ca_certificate = self.cluster.master_auth.cluster_ca_certificate
+        self.register_outputs({"name": self.name, "endpoint": self.endpoint})

@@ -1,0 +1,154 @@
+"""The KubeRay RayCluster for the TPU slice, its token Secret, and the wait for its CRD."""
+
+from __future__ import annotations
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from infra import PROJECT
+from infra.config import StackConfig
+from infra.crd_wait import CrdEstablished
+
+RAYCLUSTER_CRD = "rayclusters.ray.io"
+API_VERSION, KIND = "ray.io/v1", "RayCluster"
+TOKEN_SECRET = "hf-secret"
+TOKEN_KEY = "hf_api_token"
+DASHBOARD_PORT = 8265
+HEAD_RESOURCES = {"cpu": "4", "memory": "16Gi"}
+HEAD_PORTS = (("gcs", 6379), ("dashboard", DASHBOARD_PORT), ("client", 10001))
+
+
+def head_service(ray_cluster_name: str) -> str:
+    return f"{ray_cluster_name}-head-svc"
+
+
+def dashboard_command(cfg: StackConfig) -> str:
+    return f"kubectl -n {cfg.namespace} port-forward svc/{head_service(cfg.ray_cluster_name)} {DASHBOARD_PORT}:{DASHBOARD_PORT}"
+
+
+def _token_env() -> dict:
+    return {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": TOKEN_SECRET, "key": TOKEN_KEY}}}
+
+
+def _autopilot_selectors(cfg: StackConfig) -> dict[str, str]:
+    """Autopilot has no node pools: Spot and reservations are asked for by the pods."""
+    if not cfg.autopilot:
+        return {}
+    if cfg.spot:
+        return {"cloud.google.com/gke-spot": "true"}
+    if cfg.reservation:
+        selectors = {
+            "cloud.google.com/reservation-name": cfg.reservation_name,
+            "cloud.google.com/reservation-affinity": "specific",
+        }
+        if cfg.reservation_project:
+            selectors["cloud.google.com/reservation-project"] = cfg.reservation_project
+        return selectors
+    return {}
+
+
+def ray_cluster_manifest(cfg: StackConfig, image: str) -> dict:
+    """The RayCluster as a plain dict: one CPU head, one worker group spanning the slice."""
+    tpu = cfg.slice
+    env = [_token_env(), *tpu.ray_env]
+    worker_group = {
+        "groupName": tpu.worker_group,
+        "replicas": 1,
+        "numOfHosts": tpu.hosts,
+        "rayStartParams": {},
+        "template": {
+            "spec": {
+                "containers": [
+                    {
+                        "name": "ray-worker",
+                        "image": image,
+                        "env": env,
+                        "resources": {"requests": tpu.worker_resources, "limits": tpu.worker_resources},
+                        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+                    }
+                ],
+                "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": tpu.shm_size}}],
+                "nodeSelector": tpu.node_selector | _autopilot_selectors(cfg),
+            }
+        },
+    }
+    if tpu.ray_resources:
+        worker_group["resources"] = tpu.ray_resources
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": cfg.ray_cluster_name, "namespace": cfg.namespace},
+        "spec": {
+            "headGroupSpec": {
+                "rayStartParams": {"num-cpus": "0"},
+                "template": {
+                    "spec": {
+                        "containers": [
+                            {
+                                "name": "ray-head",
+                                "image": image,
+                                "ports": [{"containerPort": port, "name": name} for name, port in HEAD_PORTS],
+                                "env": env,
+                                "resources": {"requests": HEAD_RESOURCES, "limits": HEAD_RESOURCES},
+                            }
+                        ]
+                    }
+                },
+            },
+            "workerGroupSpecs": [worker_group],
+        },
+    }
+
+
+class RayCluster(pulumi.ComponentResource):
+    """Secret, CRD wait and RayCluster; done only when the head pod is ready."""
+
+    def __init__(
+        self,
+        name: str,
+        cfg: StackConfig,
+        image: pulumi.Input[str],
+        hf_token: pulumi.Input[str],
+        provider: k8s.Provider,
+        endpoint: pulumi.Input[str],
+        ca_certificate: pulumi.Input[str],
+        depends_on: list[pulumi.Resource] = (),
+        opts: pulumi.ResourceOptions | None = None,
+    ):
+        super().__init__(f"{PROJECT}:infra:RayCluster", name, None, opts)
+        k8s_opts = pulumi.ResourceOptions(parent=self, provider=provider)
+        self.secret = k8s.core.v1.Secret(
+            f"{name}-hf-token",
+            metadata={"name": TOKEN_SECRET, "namespace": cfg.namespace},
+            type="Opaque",
+            string_data={TOKEN_KEY: pulumi.Output.secret(hf_token)},
+            opts=k8s_opts,
+        )
+        self.crd = CrdEstablished(
+            f"{name}-crd",
+            endpoint=endpoint,
+            ca_certificate=ca_certificate,
+            crd=RAYCLUSTER_CRD,
+            opts=pulumi.ResourceOptions(parent=self),
+        )
+        spec = pulumi.Output.from_input(image).apply(lambda ref: ray_cluster_manifest(cfg, ref)["spec"])
+        self.ray_cluster = k8s.apiextensions.CustomResource(
+            name,
+            api_version=API_VERSION,
+            kind=KIND,
+            metadata={
+                "name": cfg.ray_cluster_name,
+                "namespace": cfg.namespace,
+                # The provider's await: `up` moves on only once KubeRay reports the head ready.
+                "annotations": {"pulumi.com/waitFor": "condition=HeadPodReady"},
+            },
+            spec=spec,
+            opts=k8s_opts.merge(
+                pulumi.ResourceOptions(
+                    depends_on=[self.crd, self.secret, *depends_on],
+                    custom_timeouts=pulumi.CustomTimeouts(create="60m", update="60m"),
+                )
+            ),
+        )
+        self.name = self.ray_cluster.metadata["name"]
+        self.register_outputs({"name": self.name})

@@ -1,0 +1,59 @@
+"""The Artifact Registry repository and the Ray + TorchTPU image built into it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pulumi
+import pulumi_docker as docker
+import pulumi_gcp as gcp
+
+from infra import PROJECT
+from infra.config import StackConfig
+
+IMAGE_DIR = Path(__file__).resolve().parent.parent / "image"
+
+
+def registry_host(region: str) -> str:
+    return f"{region}-docker.pkg.dev"
+
+
+def image_ref(cfg: StackConfig, tag: str = "latest") -> str:
+    return f"{registry_host(cfg.region)}/{cfg.project}/{cfg.repository}/{cfg.image_name}:{tag}"
+
+
+class ImageRegistry(pulumi.ComponentResource):
+    """`image` is the pushed image by digest (repo@sha256:...), so a rebuild rolls the pods."""
+
+    def __init__(self, name: str, cfg: StackConfig, opts: pulumi.ResourceOptions | None = None):
+        super().__init__(f"{PROJECT}:infra:ImageRegistry", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        self.repository = gcp.artifactregistry.Repository(
+            name,
+            repository_id=cfg.repository,
+            project=cfg.project,
+            location=cfg.region,
+            format="DOCKER",
+            description="Ray + TorchTPU images for the Gemma 4 fine-tune",
+            opts=child,
+        )
+        token = gcp.organizations.get_client_config_output().access_token
+        self.built = docker.Image(
+            f"{name}-image",
+            image_name=image_ref(cfg),
+            build={
+                "context": str(IMAGE_DIR),
+                "dockerfile": str(IMAGE_DIR / "Dockerfile"),
+                "platform": "linux/amd64",
+            },
+            # Previews (and CI) never need a Docker daemon; `up` builds and pushes.
+            build_on_preview=False,
+            registry={
+                "server": registry_host(cfg.region),
+                "username": "oauth2accesstoken",
+                "password": pulumi.Output.secret(token),
+            },
+            opts=child.merge(pulumi.ResourceOptions(depends_on=[self.repository])),
+        )
+        self.image = self.built.repo_digest
+        self.register_outputs({"image": self.image})

@@ -1,0 +1,47 @@
+"""The checkpoint bucket every host writes to, and the Ray pods' Workload Identity grant on it."""
+
+from __future__ import annotations
+
+import pulumi
+import pulumi_gcp as gcp
+
+from infra import PROJECT
+from infra.config import StackConfig
+
+CHECKPOINT_ROLE = "roles/storage.objectAdmin"
+
+
+def workload_identity_principal(project_number: str, project: str, namespace: str, service_account: str) -> str:
+    """The IAM principal of a Kubernetes ServiceAccount under GKE Workload Identity Federation."""
+    return (
+        f"principal://iam.googleapis.com/projects/{project_number}/locations/global/"
+        f"workloadIdentityPools/{project}.svc.id.goog/subject/ns/{namespace}/sa/{service_account}"
+    )
+
+
+class CheckpointBucket(pulumi.ComponentResource):
+    def __init__(self, name: str, cfg: StackConfig, opts: pulumi.ResourceOptions | None = None):
+        super().__init__(f"{PROJECT}:infra:CheckpointBucket", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        self.bucket = gcp.storage.Bucket(
+            name,
+            name=cfg.bucket_name,
+            project=cfg.project,
+            location=cfg.region.upper(),
+            uniform_bucket_level_access=True,
+            force_destroy=cfg.bucket_force_destroy,
+            opts=child,
+        )
+        number = gcp.organizations.get_project_output(project_id=cfg.project).number
+        self.member = gcp.storage.BucketIAMMember(
+            f"{name}-ray-pods",
+            bucket=self.bucket.name,
+            role=CHECKPOINT_ROLE,
+            member=number.apply(
+                lambda n: workload_identity_principal(n, cfg.project, cfg.namespace, cfg.service_account)
+            ),
+            opts=child,
+        )
+        self.name = self.bucket.name
+        self.url = self.bucket.url
+        self.register_outputs({"name": self.name, "url": self.url})

@@ -1,0 +1,136 @@
+"""TPU generations the stack can slice, and everything a slice derives from one row.
+
+One table, xpk-style: a fact about a generation is typed once here; hosts, devices,
+labels, names and pod sizes are computed from it, never written again elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+# GKE's floor for the managed Ray Operator add-on, whatever the TPU.
+RAY_ADDON_MIN_GKE = "1.30.0-gke.1747000"
+
+
+@dataclass(frozen=True)
+class TpuGeneration:
+    name: str
+    machine_type: str
+    chips_per_host: int
+    devices_per_chip: int  # logical devices (chiplets) per physical chip
+    gke_accelerator: str  # node label cloud.google.com/gke-tpu-accelerator
+    ray_accelerator_type: str
+    topologies: tuple[str, ...]  # multi-host slice shapes GKE offers for machine_type
+    host_cpu: int  # worker pod requests = limits, one pod per host
+    host_memory_gi: int
+    shm_gi: int  # /dev/shm for the compilation cache and data loader
+    min_gke_standard: str
+    min_gke_autopilot: str
+    # Ironwood places multi-host slices with a HIGH_THROUGHPUT workload policy
+    # (a compute resource policy) instead of the node pool's tpu_topology.
+    uses_workload_policy: bool = False
+
+
+GENERATIONS: dict[str, TpuGeneration] = {
+    g.name: g
+    for g in (
+        TpuGeneration(
+            name="v6e",
+            machine_type="ct6e-standard-4t",
+            chips_per_host=4,
+            devices_per_chip=1,
+            gke_accelerator="tpu-v6e-slice",
+            ray_accelerator_type="TPU-V6E",
+            topologies=("4x4", "4x8", "8x8", "8x16", "16x16"),
+            host_cpu=64,
+            host_memory_gi=200,
+            shm_gi=100,
+            min_gke_standard=RAY_ADDON_MIN_GKE,
+            min_gke_autopilot=RAY_ADDON_MIN_GKE,
+        ),
+        TpuGeneration(
+            name="tpu7x",
+            machine_type="tpu7x-standard-4t",
+            chips_per_host=4,
+            devices_per_chip=2,
+            gke_accelerator="tpu7x",
+            ray_accelerator_type="TPU-V7X",
+            topologies=("2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8"),
+            host_cpu=64,
+            host_memory_gi=250,
+            shm_gi=128,
+            min_gke_standard="1.34.0-gke.2201000",
+            min_gke_autopilot="1.34.1-gke.3084001",
+            uses_workload_policy=True,
+        ),
+    )
+}
+
+_TOPOLOGY = re.compile(r"^[1-9][0-9]*(x[1-9][0-9]*){1,2}$")
+
+
+def is_topology(text: str) -> bool:
+    return bool(_TOPOLOGY.match(text))
+
+
+@dataclass(frozen=True)
+class TpuSlice:
+    """One multi-host slice: a generation and one of its topologies."""
+
+    generation: TpuGeneration
+    topology: str
+
+    @property
+    def chips(self) -> int:
+        return math.prod(int(d) for d in self.topology.split("x"))
+
+    @property
+    def hosts(self) -> int:
+        return self.chips // self.generation.chips_per_host
+
+    @property
+    def devices_per_host(self) -> int:
+        return self.generation.chips_per_host * self.generation.devices_per_chip
+
+    @property
+    def devices(self) -> int:
+        return self.chips * self.generation.devices_per_chip
+
+    @property
+    def worker_group(self) -> str:
+        return f"{self.generation.name}-{self.devices}"
+
+    @property
+    def ray_resources(self) -> dict[str, str]:
+        """Group-level Ray resources: only where Ray cannot count chiplets from google.com/tpu."""
+        if self.generation.devices_per_chip == 1:
+            return {}
+        return {"TPU": str(self.devices_per_host)}
+
+    @property
+    def ray_env(self) -> list[dict]:
+        if self.generation.devices_per_chip == 1:
+            return []
+        return [{"name": "RAY_TPU_RESOURCE_PER_CHIP", "value": str(self.generation.devices_per_chip)}]
+
+    @property
+    def worker_resources(self) -> dict[str, str]:
+        g = self.generation
+        return {
+            "cpu": str(g.host_cpu),
+            "memory": f"{g.host_memory_gi}Gi",
+            "google.com/tpu": str(g.chips_per_host),
+        }
+
+    @property
+    def shm_size(self) -> str:
+        return f"{self.generation.shm_gi}Gi"
+
+    @property
+    def node_selector(self) -> dict[str, str]:
+        return {
+            "cloud.google.com/gke-tpu-accelerator": self.generation.gke_accelerator,
+            "cloud.google.com/gke-tpu-topology": self.topology,
+        }

@@ -1,0 +1,108 @@
+"""The one place the jobs learn which device and process-group backend they run on.
+
+`tpu` imports torch_tpu (only then) and uses `tpu_dist`; `cpu` uses `gloo`; `cuda` uses `nccl`.
+Also the jobs' shared facts: TPU accelerator types, the input-error type and the result line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+RESULT_PREFIX = "JOB_RESULT_JSON: "
+CHIPS_PER_HOST = 4
+# Ray accelerator type -> (Ray's accelerator version, logical devices per chip)
+ACCELERATOR_TYPES = {"TPU-V6E": ("v6e", 1), "TPU-V7X": ("v7x", 2)}
+
+
+class JobInputError(ValueError):
+    """A bad flag or input, reported before any worker starts."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    dist_backend: str
+    device_type: str
+
+    def device(self):
+        import torch
+
+        if self.name == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        # Ray gives each TPU worker exactly one device, so it is always index 0 in-process.
+        return torch.device(self.device_type)
+
+    def prepare(self) -> None:
+        """Per-process setup before the process group starts."""
+        if self.name == "tpu":
+            import torch_tpu  # noqa: F401  (registers the tpu device and the tpu_dist backend)
+        elif self.name == "cuda":
+            import torch
+
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+BACKENDS = {
+    "tpu": Backend("tpu", "tpu_dist", "tpu"),
+    "cpu": Backend("cpu", "gloo", "cpu"),
+    "cuda": Backend("cuda", "nccl", "cuda"),
+}
+
+
+def get_backend(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise JobInputError(f"--backend {name!r} is not supported; choose one of: {', '.join(BACKENDS)}")
+    return BACKENDS[name]
+
+
+def tpu_devices(topology: str, accelerator_type: str) -> int:
+    """Logical TPU devices (= workers) in a slice of this topology."""
+    if accelerator_type not in ACCELERATOR_TYPES:
+        raise JobInputError(
+            f"--accelerator-type {accelerator_type!r} is not supported; choose one of: {', '.join(ACCELERATOR_TYPES)}"
+        )
+    try:
+        chips = math.prod(int(d) for d in topology.split("x"))
+    except ValueError:
+        raise JobInputError(f"--topology {topology!r} is not a topology such as 4x4 or 2x2x2") from None
+    return chips * ACCELERATOR_TYPES[accelerator_type][1]
+
+
+def resolve_num_workers(backend: str, topology: str, accelerator_type: str, num_workers: int | None) -> int:
+    """On TPU the slice decides (and a given --num-workers must agree); elsewhere --num-workers does."""
+    if backend == "tpu":
+        devices = tpu_devices(topology, accelerator_type)
+        if num_workers is not None and num_workers != devices:
+            raise JobInputError(
+                f"--num-workers {num_workers} does not match --topology {topology} on {accelerator_type}, "
+                f"which has {devices} devices; drop --num-workers or pass {devices}"
+            )
+        return devices
+    if num_workers is None or num_workers < 1:
+        raise JobInputError(f"--num-workers must be a positive number off TPU (got {num_workers})")
+    return num_workers
+
+
+def connect_ray(cpus_wanted: int) -> None:
+    """Join the Ray cluster this runs in (ray job submit, a local head); else start one big enough."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address="auto")
+    except ConnectionError:
+        ray.init(num_cpus=max(cpus_wanted, os.cpu_count() or 1))
+
+
+def print_result(result: dict) -> None:
+    """The last line a job prints: what the job resource parses."""
+    print(RESULT_PREFIX + json.dumps(result, sort_keys=True), flush=True)
+
+
+def parse_result(logs: str) -> dict | None:
+    lines = [line for line in logs.splitlines() if line.startswith(RESULT_PREFIX)]
+    return json.loads(lines[-1][len(RESULT_PREFIX) :]) if lines else None

@@ -1,0 +1,245 @@
+"""Collectives check for a TPU slice: tensor-parallel parity and an all-reduce, one Ray actor per device.
+
+Run it on the slice (from the working directory `jobs/`):
+
+    ray job submit --address http://localhost:8265 --working-dir jobs -- \\
+        python ray_core_collectives.py --topology 4x4 --accelerator-type TPU-V6E
+
+On CPU, with the gloo backend and a local Ray:
+
+    python jobs/ray_core_collectives.py --backend cpu --num-workers 4
+
+Exits non-zero on any mismatch; the last line is `JOB_RESULT_JSON: {...}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+import ray
+
+from backend import (
+    ACCELERATOR_TYPES,
+    BACKENDS,
+    CHIPS_PER_HOST,
+    JobInputError,
+    connect_ray,
+    get_backend,
+    print_result,
+    resolve_num_workers,
+)
+
+TPU_MASTER_PORT = 29500
+RTOL, ATOL = 1e-3, 1e-2
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--topology", default="4x4", help="TPU slice topology, e.g. 4x4 or 2x2x2")
+    p.add_argument("--accelerator-type", default="TPU-V6E", help=f"one of {', '.join(ACCELERATOR_TYPES)}")
+    p.add_argument("--backend", default="tpu", help=f"one of {', '.join(BACKENDS)}")
+    p.add_argument("--num-workers", type=int, default=None, help="off TPU: how many workers (one per device on TPU)")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--expansion", type=int, default=4)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--reserve-timeout-s", type=int, default=1800, help="how long to wait for the slice")
+    p.add_argument("--reference-seed", type=int, default=None, help="seed of the CPU reference (default: --seed)")
+    return p.parse_args(argv)
+
+
+def make_ffn(hidden: int, expansion: int, seed: int):
+    """The residual block x + W2·SiLU(W1·x), no biases, weights drawn from `seed` on CPU."""
+    import torch
+    from torch import nn
+
+    class ResidualFFN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = nn.Linear(hidden, hidden * expansion, bias=False)
+            self.w2 = nn.Linear(hidden * expansion, hidden, bias=False)
+
+        def forward(self, x):
+            return x + self.w2(torch.nn.functional.silu(self.w1(x)))
+
+    torch.manual_seed(seed)
+    return ResidualFFN()
+
+
+def apply_tp(model, mesh):
+    """Megatron-style: W1 split by output columns, W2 by input rows; one all-reduce per forward."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    return parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+
+
+@ray.remote
+class CollectivesWorker:
+    def __init__(self, backend: str, index: int, devices_per_host: int):
+        self.backend = get_backend(backend)
+        if self.backend.name == "tpu":
+            # Global rank from the slice layout the TPU webhook and Ray expose.
+            self.worker_id = int(os.environ["TPU_WORKER_ID"])
+            self.local_rank = int(ray.get_runtime_context().get_accelerator_ids()["TPU"][0])
+        else:
+            self.worker_id, self.local_rank = divmod(index, devices_per_host)
+        self.devices_per_host = devices_per_host
+        self.rank = self.worker_id * devices_per_host + self.local_rank
+
+    def identity(self) -> dict:
+        return {"rank": self.rank, "worker_id": self.worker_id, "local_rank": self.local_rank, "node_ip": ray.util.get_node_ip_address()}
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Called on rank 0: the MASTER_ADDR/MASTER_PORT every rank will use."""
+        if self.backend.name == "tpu":
+            return os.environ["TPU_WORKER_HOSTNAMES"].split(",")[0], TPU_MASTER_PORT
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def run(self, master_addr: str, master_port: int, world: int, args: dict) -> dict:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            WORLD_SIZE=str(world),
+            RANK=str(self.rank),
+            LOCAL_RANK=str(self.local_rank),
+            LOCAL_WORLD_SIZE=str(self.devices_per_host),
+        )
+        self.backend.prepare()
+        dist.init_process_group(backend=self.backend.dist_backend, init_method="env://")
+        try:
+            device = self.backend.device()
+            reference = make_ffn(args["hidden"], args["expansion"], args["reference_seed"])
+            torch.manual_seed(args["seed"] + 1)
+            x = torch.randn(args["batch"], args["hidden"])
+            with torch.no_grad():
+                expected = reference(x)
+                mesh = init_device_mesh(self.backend.device_type, (world,))
+                sharded = apply_tp(make_ffn(args["hidden"], args["expansion"], args["seed"]).to(device), mesh)
+                got = sharded(x.to(device)).cpu()
+            max_diff = (got - expected).abs().max().item()
+            parity = torch.allclose(got, expected, rtol=RTOL, atol=ATOL)
+
+            t = torch.full((4,), float(self.rank + 1), device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            total = t.cpu()
+            want = world * (world + 1) / 2
+            return {
+                **self.identity(),
+                "sum": total[0].item(),
+                "sum_ok": bool(torch.all(total == want)),
+                "max_diff": max_diff,
+                "parity_ok": bool(parity),
+            }
+        finally:
+            dist.destroy_process_group()
+
+
+def reserve(args, world: int):
+    """The slice as one placement group on TPU; one CPU bundle per worker elsewhere."""
+    from ray.util.placement_group import placement_group
+
+    if args.backend == "tpu":
+        from ray.util.tpu import slice_placement_group
+
+        version, per_chip = ACCELERATOR_TYPES[args.accelerator_type]
+        slice_pg = slice_placement_group(
+            args.topology, version, resources_per_bundle={"TPU": 1}, tpu_resource_per_chip=per_chip
+        )
+        return slice_pg, slice_pg.placement_group
+    pg = placement_group([{"CPU": 1}] * world, strategy="PACK")
+    return None, pg
+
+
+def run_check(args: argparse.Namespace) -> dict:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    get_backend(args.backend)
+    world = resolve_num_workers(args.backend, args.topology, args.accelerator_type, args.num_workers)
+    if (args.hidden * args.expansion) % world:
+        raise JobInputError(
+            f"the tensor-parallel width {args.hidden}x{args.expansion} must divide by the {world} workers"
+        )
+    devices_per_host = (
+        CHIPS_PER_HOST * ACCELERATOR_TYPES[args.accelerator_type][1] if args.backend == "tpu" else world
+    )
+    connect_ray(world)
+    handle, pg = reserve(args, world)
+    try:
+        ray.get(pg.ready(), timeout=args.reserve_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(pg)
+        raise JobInputError(
+            f"could not reserve {world} workers within {args.reserve_timeout_s}s; "
+            f"the cluster offers {ray.cluster_resources()}"
+        ) from None
+    resources = {"resources": {"TPU": 1}} if args.backend == "tpu" else {"num_cpus": 1}
+    workers = [
+        CollectivesWorker.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i), **resources
+        ).remote(args.backend, i, devices_per_host)
+        for i in range(world)
+    ]
+    try:
+        ids = ray.get([w.identity.remote() for w in workers])
+        rank0 = workers[min(range(world), key=lambda i: ids[i]["rank"])]
+        master_addr, master_port = ray.get(rank0.rendezvous.remote())
+        settings = vars(args) | {"reference_seed": args.seed if args.reference_seed is None else args.reference_seed}
+        results = sorted(
+            ray.get([w.run.remote(master_addr, master_port, world, settings) for w in workers]),
+            key=lambda r: r["rank"],
+        )
+    finally:
+        for w in workers:
+            ray.kill(w)
+        if handle is not None:
+            handle.shutdown()
+        else:
+            ray.util.remove_placement_group(pg)
+    for r in results:
+        print(
+            f"rank={r['rank']:>3} worker_id={r['worker_id']} local_rank={r['local_rank']} "
+            f"node_ip={r['node_ip']} sum={r['sum']} max_diff={r['max_diff']:.5f}",
+            flush=True,
+        )
+    expected_sum = world * (world + 1) / 2
+    ok = all(r["sum_ok"] and r["parity_ok"] for r in results)
+    summary = {
+        "ok": ok,
+        "world_size": world,
+        "backend": args.backend,
+        "expected_sum": expected_sum,
+        "sums_ok": all(r["sum_ok"] for r in results),
+        "parity_ok": all(r["parity_ok"] for r in results),
+        "max_abs_diff": max(r["max_diff"] for r in results),
+    }
+    print(
+        f"{'PASS' if ok else 'FAIL'}: {world} ranks, all-reduce sum {expected_sum} "
+        f"{'on every rank' if summary['sums_ok'] else 'NOT on every rank'}, "
+        f"tensor-parallel parity {'holds' if summary['parity_ok'] else 'BROKEN'} (max |diff| {summary['max_abs_diff']:.5f})",
+        flush=True,
+    )
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        summary = run_check(args)
+    except JobInputError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    print_result(summary)
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

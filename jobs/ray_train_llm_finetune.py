@@ -1,0 +1,344 @@
+"""Gemma 4 supervised fine-tune with Ray Train and FSDP2, one worker per TPU device.
+
+Run it on the slice (from the working directory `jobs/`):
+
+    ray job submit --address http://localhost:8265 --working-dir jobs -- \\
+        python ray_train_llm_finetune.py --topology 4x4 --accelerator-type TPU-V6E \\
+        --storage-path gs://BUCKET/ray_train_torchtpu
+
+On CPU with the tiny offline assets (python jobs/tiny_assets.py --out .local/assets):
+
+    python jobs/ray_train_llm_finetune.py --backend cpu --num-workers 2 --epochs 2 \\
+        --model .local/assets/model --dataset .local/assets/dolly.jsonl --split train \\
+        --seq-len 128 --lr 1e-3 --storage-path .local/ray_results
+
+Re-running with the same --run-name and --storage-path resumes from the latest checkpoint.
+Each checkpoint directory loads with AutoModelForCausalLM/AutoTokenizer.from_pretrained.
+The last line is `JOB_RESULT_JSON: {...}` with the checkpoint path(s) and final metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from backend import (
+    ACCELERATOR_TYPES,
+    BACKENDS,
+    JobInputError,
+    connect_ray,
+    get_backend,
+    print_result,
+    resolve_num_workers,
+)
+
+COLUMNS = ("instruction", "response")
+LOCAL_DATA = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+STATE_FILE = "train_state.json"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="google/gemma-4-E2B-it", help="hub id or local directory")
+    p.add_argument("--tokenizer", default=None, help="hub id or local directory (default: --model)")
+    p.add_argument("--dataset", default="databricks/databricks-dolly-15k", help="hub id or a local json/jsonl/csv/parquet")
+    p.add_argument("--split", default="train[:1024]")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=4, help="per device")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--topology", default="4x4")
+    p.add_argument("--accelerator-type", default="TPU-V6E", help=f"one of {', '.join(ACCELERATOR_TYPES)}")
+    p.add_argument("--backend", default="tpu", help=f"one of {', '.join(BACKENDS)}")
+    p.add_argument("--num-workers", type=int, default=None, help="off TPU: how many workers")
+    p.add_argument("--storage-path", default=str(Path.home() / "ray_results"), help="local path or gs://BUCKET/prefix")
+    p.add_argument("--run-name", default=None, help="default: torchtpu_gemma4_fsdp2_sft_<unix time>")
+    return p.parse_args(argv)
+
+
+# ---- data -------------------------------------------------------------------------------------
+
+
+def is_local(ref: str) -> bool:
+    """A path, not a hub id (`org/name`): it exists, or it is spelt like a path."""
+    return os.path.exists(ref) or ref.startswith(("/", "./", "../", "~")) or ref.count("/") > 1
+
+
+def load_instructions(dataset: str, split: str):
+    from datasets import load_dataset
+
+    if is_local(dataset):
+        path = Path(dataset).expanduser()
+        if not path.exists():
+            raise JobInputError(f"--dataset {dataset!r} does not exist")
+        fmt = LOCAL_DATA.get(path.suffix)
+        if fmt is None:
+            raise JobInputError(f"--dataset {dataset!r}: use one of {', '.join(LOCAL_DATA)} or a hub id")
+        data = load_dataset(fmt, data_files=str(path), split=split)
+    else:
+        data = load_dataset(dataset, split=split, token=os.environ.get("HF_TOKEN"))
+    missing = [c for c in COLUMNS if c not in data.column_names]
+    if missing:
+        raise JobInputError(
+            f"--dataset {dataset!r} lacks column(s) {', '.join(missing)}; it has {', '.join(data.column_names)}"
+        )
+    return data
+
+
+def render(record: dict) -> str:
+    return f"Instruction: {record['instruction']}\nResponse: {record['response']}"
+
+
+def tokenize(data, tokenizer, seq_len: int):
+    """Fixed-length causal-LM examples; padding is masked out of the labels."""
+    import torch
+
+    enc = tokenizer(
+        [render(r) for r in data], max_length=seq_len, truncation=True, padding="max_length", return_tensors="pt"
+    )
+    labels = enc["input_ids"].clone()
+    labels[enc["attention_mask"] == 0] = -100
+    return torch.utils.data.TensorDataset(enc["input_ids"], enc["attention_mask"], labels)
+
+
+# ---- model ------------------------------------------------------------------------------------
+
+
+def load_model(ref: str):
+    """bf16 (so the unsharded per-layer table matches), eager attention, text only, no KV cache."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    token = os.environ.get("HF_TOKEN")
+    config = AutoConfig.from_pretrained(ref, token=token)
+    for tower in ("vision_config", "audio_config"):
+        if hasattr(config, tower):
+            setattr(config, tower, None)
+    model = AutoModelForCausalLM.from_pretrained(
+        ref, config=config, dtype=torch.bfloat16, attn_implementation="eager", token=token
+    )
+    model.config.use_cache = False
+    return model
+
+
+def language_model(model):
+    return model.model.language_model
+
+
+def freeze_per_layer_embeddings(model):
+    """The per-layer embedding table is huge and trained no further: frozen, and kept out of FSDP."""
+    table = language_model(model).embed_tokens_per_layer.weight
+    table.requires_grad_(False)
+    return table
+
+
+def apply_fsdp(model, mesh, ignored: set):
+    """FSDP2: each decoder layer's MLP, then the root; bf16 params, fp32 gradient reduction."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in language_model(model).layers:
+        fully_shard(layer.mlp, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+    return model
+
+
+def save_checkpoint(model, tokenizer, frozen_name: str, frozen, directory: str, state: dict) -> None:
+    """Gather the full state (all ranks), then rank 0 writes a from_pretrained-ready directory."""
+    import ray.train
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    state_dict = get_model_state_dict(model, options=options)
+    if ray.train.get_context().get_world_rank() == 0:
+        state_dict[frozen_name] = frozen.detach().cpu()
+        model.save_pretrained(directory, state_dict=state_dict)
+        tokenizer.save_pretrained(directory)
+        Path(directory, STATE_FILE).write_text(json.dumps(state))
+
+
+# ---- the per-worker loop ----------------------------------------------------------------------
+
+
+def train_loop_per_worker(config: dict) -> None:
+    import ray.train
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoTokenizer
+
+    backend = get_backend(config["backend"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = backend.device()
+    torch.manual_seed(config["seed"])
+
+    start_epoch, source = 0, config["model"]
+    restored = ray.train.get_checkpoint()
+    with restored.as_directory() if restored else tempfile.TemporaryDirectory() as restored_dir:
+        if restored:
+            start_epoch = json.loads(Path(restored_dir, STATE_FILE).read_text())["epoch"]
+            source = restored_dir
+            print(f"[rank {rank}] resuming from {restored.path} after epoch {start_epoch}", flush=True)
+        tokenizer = AutoTokenizer.from_pretrained(config["tokenizer"] or source, token=os.environ.get("HF_TOKEN"))
+        model = load_model(source)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+    frozen = freeze_per_layer_embeddings(model)
+    frozen_name = next(n for n, p in model.named_parameters() if p is frozen)
+    model.to(device)
+    mesh = init_device_mesh(backend.device_type, (world,))
+    apply_fsdp(model, mesh, ignored={frozen})
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=config["lr"], weight_decay=config["weight_decay"]
+    )
+
+    examples = tokenize(load_instructions(config["dataset"], config["split"]), tokenizer, config["seq_len"])
+    sampler = torch.utils.data.DistributedSampler(
+        examples, num_replicas=world, rank=rank, shuffle=True, seed=config["seed"], drop_last=True
+    )
+    loader = torch.utils.data.DataLoader(examples, batch_size=config["batch_size"], sampler=sampler, drop_last=True)
+    global_batch = config["batch_size"] * world
+
+    model.train()
+    for epoch in range(start_epoch, config["epochs"]):
+        sampler.set_epoch(epoch)
+        started = time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        real_tokens = torch.zeros((), dtype=torch.float32, device=device)
+        steps = 0
+        for input_ids, attention_mask, labels in loader:
+            out = model(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), labels=labels.to(device)
+            )
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum += out.loss.detach().float()
+            real_tokens += attention_mask.sum().to(device, torch.float32)
+            steps += 1
+        # gloo has no AVG: sum over ranks, then divide.
+        stats = torch.stack([loss_sum / max(steps, 1), real_tokens])
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+        elapsed = time.perf_counter() - started
+        metrics = {
+            "epoch": epoch + 1,
+            "loss": stats[0].item() / world,
+            "epoch_time_s": elapsed,
+            # the walkthrough's figure: every position of every padded sequence counts
+            "tokens_per_s": steps * global_batch * config["seq_len"] / elapsed,
+            "real_tokens_per_s": stats[1].item() / elapsed,
+            "steps": steps,
+        }
+        with tempfile.TemporaryDirectory() as out_dir:
+            save_checkpoint(model, tokenizer, frozen_name, frozen, out_dir, {"epoch": epoch + 1, **metrics})
+            checkpoint = ray.train.Checkpoint.from_directory(out_dir) if rank == 0 else None
+            ray.train.report(metrics, checkpoint=checkpoint)
+        if rank == 0:
+            print(json.dumps({"rank": 0, **metrics}), flush=True)
+
+
+# ---- the driver -------------------------------------------------------------------------------
+
+
+def check_storage(storage_path: str) -> None:
+    import pyarrow.fs
+
+    try:
+        fs, base = pyarrow.fs.FileSystem.from_uri(storage_path)
+        fs.create_dir(base, recursive=True)
+        probe = f"{base.rstrip('/')}/.write_probe_{os.getpid()}"
+        with fs.open_output_stream(probe) as f:
+            f.write(b"ok")
+        fs.delete_file(probe)
+    except Exception as err:  # noqa: BLE001  (any failure to write means the same thing to the user)
+        raise JobInputError(f"--storage-path {storage_path!r} cannot be written: {err}") from None
+
+
+def check_inputs(args: argparse.Namespace) -> int:
+    """Everything that can be wrong before a worker starts; returns the worker count."""
+    get_backend(args.backend)
+    workers = resolve_num_workers(args.backend, args.topology, args.accelerator_type, args.num_workers)
+    for flag in ("model", "tokenizer"):
+        ref = getattr(args, flag)
+        if ref and is_local(ref) and not Path(ref).expanduser().is_dir():
+            raise JobInputError(f"--{flag} {ref!r} does not exist (give a directory or a hub id)")
+    for flag in ("epochs", "batch_size", "seq_len"):
+        if getattr(args, flag) < 1:
+            raise JobInputError(f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)})")
+    data = load_instructions(args.dataset, args.split)
+    if len(data) < workers * args.batch_size:
+        raise JobInputError(f"{len(data)} examples are fewer than one global batch ({workers} x {args.batch_size})")
+    check_storage(args.storage_path)
+    return workers
+
+
+def checkpoint_uri(storage_path: str, path: str) -> str:
+    """Ray reports paths inside the filesystem; give users the full URI back."""
+    scheme = storage_path.split("://", 1)[0] + "://" if "://" in storage_path else ""
+    return path if path.startswith(scheme) else scheme + path
+
+
+def run(args: argparse.Namespace) -> dict:
+    workers = check_inputs(args)
+    connect_ray(workers)
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    backend = get_backend(args.backend)
+    if args.backend == "tpu":
+        scaling = ScalingConfig(
+            num_workers=workers,
+            use_tpu=True,
+            topology=args.topology,
+            accelerator_type=args.accelerator_type,
+            resources_per_worker={"TPU": 1},
+        )
+    else:
+        scaling = ScalingConfig(num_workers=workers, use_gpu=args.backend == "cuda", resources_per_worker={"CPU": 1})
+    run_name = args.run_name or f"torchtpu_gemma4_fsdp2_sft_{int(time.time())}"
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={k: getattr(args, k) for k in vars(args)},
+        scaling_config=scaling,
+        torch_config=TorchConfig(backend=backend.dist_backend),
+        run_config=RunConfig(
+            name=run_name,
+            storage_path=args.storage_path,
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=1, checkpoint_score_attribute="loss", checkpoint_score_order="min"
+            ),
+        ),
+    )
+    result = trainer.fit()
+    best = [checkpoint_uri(args.storage_path, c.path) for c, _ in (result.best_checkpoints or [])]
+    return {
+        "run_name": run_name,
+        "checkpoint": checkpoint_uri(args.storage_path, result.checkpoint.path) if result.checkpoint else None,
+        "checkpoints": best,
+        "metrics": dict(result.metrics or {}),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        summary = run(args)
+    except JobInputError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    print_result(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

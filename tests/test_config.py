@@ -1,0 +1,108 @@
+"""Config: derived values per topology, and every bad input rejected before any resource."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra import config
+from infra.config import ConfigError
+from infra.tpu import GENERATIONS, TpuSlice
+from tests.stack_harness import run_program, stack_config
+
+EXPECTED_SLICES = {
+    ("v6e", "4x4"): (16, 4, 16, "v6e-16"),
+    ("v6e", "4x8"): (32, 8, 32, "v6e-32"),
+    ("v6e", "8x8"): (64, 16, 64, "v6e-64"),
+    ("v6e", "8x16"): (128, 32, 128, "v6e-128"),
+    ("v6e", "16x16"): (256, 64, 256, "v6e-256"),
+    ("tpu7x", "2x2x2"): (8, 2, 16, "tpu7x-16"),
+    ("tpu7x", "2x2x4"): (16, 4, 32, "tpu7x-32"),
+    ("tpu7x", "2x4x4"): (32, 8, 64, "tpu7x-64"),
+    ("tpu7x", "4x4x4"): (64, 16, 128, "tpu7x-128"),
+    ("tpu7x", "4x4x8"): (128, 32, 256, "tpu7x-256"),
+    ("tpu7x", "4x8x8"): (256, 64, 512, "tpu7x-512"),
+    ("tpu7x", "8x8x8"): (512, 128, 1024, "tpu7x-1024"),
+}
+
+
+def test_every_allowed_topology_is_covered():
+    assert {(g.name, t) for g in GENERATIONS.values() for t in g.topologies} == set(EXPECTED_SLICES)
+
+
+@pytest.mark.parametrize("generation,topology", EXPECTED_SLICES)
+def test_derived_values(generation, topology):
+    tpu = TpuSlice(GENERATIONS[generation], topology)
+    chips, hosts, devices, group = EXPECTED_SLICES[generation, topology]
+    assert (tpu.chips, tpu.hosts, tpu.devices, tpu.worker_group) == (chips, hosts, devices, group)
+    assert tpu.node_selector == {
+        "cloud.google.com/gke-tpu-accelerator": {"v6e": "tpu-v6e-slice", "tpu7x": "tpu7x"}[generation],
+        "cloud.google.com/gke-tpu-topology": topology,
+    }
+    if generation == "tpu7x":
+        assert tpu.devices_per_host == 8 and tpu.ray_resources == {"TPU": "8"}
+        assert tpu.ray_env == [{"name": "RAY_TPU_RESOURCE_PER_CHIP", "value": "2"}]
+        assert tpu.generation.ray_accelerator_type == "TPU-V7X"
+    else:
+        assert tpu.devices_per_host == 4 and tpu.ray_resources == {} and tpu.ray_env == []
+        assert tpu.generation.ray_accelerator_type == "TPU-V6E"
+
+
+def test_defaults_come_from_pulumi_yaml():
+    cfg = config.parse({}, stack="v6e", project="p", region=None, zone="us-east5-b", has_token=True)
+    assert cfg.region == "us-east5"  # derived from the zone
+    assert (cfg.mode, cfg.slice.worker_group, cfg.cluster_version) == ("standard", "v6e-16", "1.36")
+    assert (cfg.job.model, cfg.job.epochs, cfg.job.batch_size) == ("google/gemma-4-E2B-it", 3, 4)
+    assert cfg.bucket_name == "p-v6e-checkpoints" and cfg.deletion_protection is False
+
+
+BAD = {
+    "unknown generation": ("v6e", {"tpuGeneration": "v9"}, "gemma-tpu:tpuGeneration: 'v9' is not a known TPU generation; allowed: v6e, tpu7x"),
+    "3x3 on v6e": ("v6e", {"tpuTopology": "3x3"}, "gemma-tpu:tpuTopology: '3x3' is not a v6e multi-host topology; allowed for v6e: 4x4"),
+    "4x4 on tpu7x": ("tpu7x", {"tpuTopology": "4x4"}, "gemma-tpu:tpuTopology: '4x4' is not a tpu7x multi-host topology; allowed for tpu7x: 2x2x2"),
+    "4x4x": ("v6e", {"tpuTopology": "4x4x"}, "gemma-tpu:tpuTopology: '4x4x' is not a topology; allowed for v6e: 4x4"),
+    "abc": ("tpu7x", {"tpuTopology": "abc"}, "gemma-tpu:tpuTopology: 'abc' is not a topology; allowed for tpu7x: 2x2x2"),
+    "unknown mode": ("v6e", {"mode": "serverless"}, "gemma-tpu:mode: 'serverless' is not a mode; allowed: standard, autopilot"),
+    "spot with reservation": ("v6e", {"spot": "true", "reservation": "r1"}, "gemma-tpu:spot: true cannot be combined with gemma-tpu:reservation 'r1'"),
+    "bad reservation": ("v6e", {"reservation": "Not A Name"}, "gemma-tpu:reservation: 'Not A Name' must be NAME or projects/PROJECT/reservations/NAME"),
+    "spot not boolean": ("v6e", {"spot": "yes"}, "gemma-tpu:spot: 'yes' is not boolean"),
+    "missing project": ("v6e", {"gcp:project": None}, "gcp:project: not set"),
+    "missing zone for standard": ("v6e", {"gcp:zone": None}, "gcp:zone: not set; standard mode makes a zonal cluster"),
+    "missing region for autopilot": ("v6e", {"mode": "autopilot", "gcp:region": None}, "gcp:region: not set; autopilot mode makes a regional cluster"),
+    "zone outside region": ("v6e", {"gcp:zone": "europe-west4-a"}, "gcp:zone: 'europe-west4-a' is not in gcp:region 'us-east5'"),
+    "missing token": ("v6e", {"hfToken": None}, "gemma-tpu:hfToken: not set; run: pulumi config set --secret hfToken"),
+    "invalid bucket": ("v6e", {"bucketName": "My_Bucket!"}, "gemma-tpu:bucketName: 'My_Bucket!' is not a valid bucket name"),
+    "google bucket": ("v6e", {"bucketName": "google-ckpt"}, "gemma-tpu:bucketName: 'google-ckpt' is not a valid bucket name"),
+    "zero epochs": ("v6e", {"epochs": "0"}, "gemma-tpu:epochs: 0 must be a positive integer"),
+    "negative batch": ("v6e", {"batchSize": "-2"}, "gemma-tpu:batchSize: -2 must be a positive integer"),
+    "batch not integer": ("v6e", {"batchSize": "four"}, "gemma-tpu:batchSize: 'four' is not integer"),
+    "long ray cluster name": ("v6e", {"rayClusterName": "r" * 54}, f"gemma-tpu:rayClusterName: '{'r' * 54}' must be a DNS-1035 label"),
+    "ray cluster name not DNS-1035": ("v6e", {"rayClusterName": "9ray"}, "gemma-tpu:rayClusterName: '9ray' must be a DNS-1035 label"),
+    "long cluster name": ("v6e", {"clusterName": "c" * 41}, f"gemma-tpu:clusterName: '{'c' * 41}' must be a GKE cluster name"),
+    "long namespace": ("v6e", {"namespace": "n" * 64}, "gemma-tpu:namespace: '" + "n" * 64 + "' must be a DNS-1123 label"),
+    "version below ray add-on": ("v6e", {"clusterVersion": "1.29"}, "gemma-tpu:clusterVersion: '1.29' is too old for v6e on standard GKE with the Ray add-on; need 1.30.0-gke.1747000"),
+    "full version below ray add-on": ("v6e", {"clusterVersion": "1.30.0-gke.1746999"}, "need 1.30.0-gke.1747000 or newer"),
+    "ironwood standard": ("tpu7x", {"clusterVersion": "1.34.0-gke.2200000"}, "'1.34.0-gke.2200000' is too old for tpu7x on standard GKE with the Ray add-on; need 1.34.0-gke.2201000"),
+    "ironwood autopilot": ("tpu7x", {"mode": "autopilot", "clusterVersion": "1.34.0-gke.2201000"}, "is too old for tpu7x on autopilot GKE with the Ray add-on; need 1.34.1-gke.3084001"),
+    "ironwood minor": ("tpu7x", {"clusterVersion": "1.33"}, "'1.33' is too old for tpu7x"),
+    "version garbage": ("v6e", {"clusterVersion": "latest-ish"}, "gemma-tpu:clusterVersion: 'latest-ish' is not a GKE version"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_fails_before_any_resource(case):
+    stack, overrides, message = BAD[case]
+    with pytest.raises(ConfigError) as err:
+        run = run_program(stack, stack_config(stack, **overrides))
+    assert message in str(err.value)
+    assert run_program.last_registered == []
+
+
+def test_good_versions_pass():
+    for stack, mode, version in [("tpu7x", "standard", "1.34.0-gke.2201000"), ("tpu7x", "autopilot", "1.34"), ("v6e", "standard", "1.30")]:
+        run_program(stack, stack_config(stack, mode=mode, clusterVersion=version))
+
+
+def test_all_problems_are_reported_together():
+    with pytest.raises(ConfigError) as err:
+        run_program("v6e", stack_config("v6e", tpuTopology="3x3", epochs="0", bucketName="UPPER", hfToken=None))
+    assert len(err.value.problems) == 4

@@ -1,0 +1,157 @@
+"""The RayCluster manifest: equal to the walkthrough's, and valid against KubeRay's CRD."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from infra import config
+from infra.raycluster import ray_cluster_manifest
+from tests.crd_schema import load_schema, validate
+
+CRD_FILE = Path(__file__).resolve().parents[2] / "shared" / "kuberay-crds" / "ray.io_rayclusters.yaml"
+IMAGE = "us-east5-docker.pkg.dev/p/ray-torchtpu/ray-torchtpu@sha256:" + "cd" * 32
+TOKEN_ENV = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-secret", "key": "hf_api_token"}}}
+
+
+def cfg_for(generation: str, topology: str, **raw) -> config.StackConfig:
+    return config.parse(
+        {"tpuGeneration": generation, "tpuTopology": topology, **raw},
+        stack="t",
+        project="p",
+        region="us-east5",
+        zone="us-east5-b",
+        has_token=True,
+    )
+
+
+def walkthrough_manifest(group, hosts, memory, shm, accelerator, topology, ironwood):
+    """The walkthrough's RayCluster for one flavour, written out by hand from SPEC.md."""
+    extra_env = [{"name": "RAY_TPU_RESOURCE_PER_CHIP", "value": "2"}] if ironwood else []
+    worker_resources = {"cpu": "64", "memory": memory, "google.com/tpu": "4"}
+    worker = {
+        "groupName": group,
+        "replicas": 1,
+        "numOfHosts": hosts,
+        "rayStartParams": {},
+        "template": {
+            "spec": {
+                "containers": [
+                    {
+                        "name": "ray-worker",
+                        "image": IMAGE,
+                        "env": [TOKEN_ENV, *extra_env],
+                        "resources": {"requests": worker_resources, "limits": worker_resources},
+                        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+                    }
+                ],
+                "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}],
+                "nodeSelector": {
+                    "cloud.google.com/gke-tpu-accelerator": accelerator,
+                    "cloud.google.com/gke-tpu-topology": topology,
+                },
+            }
+        },
+    }
+    if ironwood:
+        worker["resources"] = {"TPU": "8"}
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": {"name": "ray-torchtpu-cluster", "namespace": "default"},
+        "spec": {
+            "headGroupSpec": {
+                "rayStartParams": {"num-cpus": "0"},
+                "template": {
+                    "spec": {
+                        "containers": [
+                            {
+                                "name": "ray-head",
+                                "image": IMAGE,
+                                "ports": [
+                                    {"containerPort": 6379, "name": "gcs"},
+                                    {"containerPort": 8265, "name": "dashboard"},
+                                    {"containerPort": 10001, "name": "client"},
+                                ],
+                                "env": [TOKEN_ENV, *extra_env],
+                                "resources": {
+                                    "requests": {"cpu": "4", "memory": "16Gi"},
+                                    "limits": {"cpu": "4", "memory": "16Gi"},
+                                },
+                            }
+                        ]
+                    }
+                },
+            },
+            "workerGroupSpecs": [worker],
+        },
+    }
+
+
+FLAVOURS = {
+    "v6e": (cfg_for("v6e", "4x4"), walkthrough_manifest("v6e-16", 4, "200Gi", "100Gi", "tpu-v6e-slice", "4x4", False)),
+    "tpu7x": (cfg_for("tpu7x", "2x2x2"), walkthrough_manifest("tpu7x-16", 2, "250Gi", "128Gi", "tpu7x", "2x2x2", True)),
+}
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_manifest_equals_walkthrough(flavour):
+    cfg, expected = FLAVOURS[flavour]
+    assert ray_cluster_manifest(cfg, IMAGE) == expected
+
+
+@pytest.fixture(scope="module")
+def schema():
+    if not CRD_FILE.exists():
+        pytest.skip(f"KubeRay CRDs not found at {CRD_FILE} (test data in ../shared/kuberay-crds); strict validation skipped")
+    return load_schema(CRD_FILE)
+
+
+MODES = ("standard", "autopilot")
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+@pytest.mark.parametrize("extra", [{}, {"mode": "autopilot", "spot": "true"}, {"mode": "autopilot", "reservation": "r1"}])
+def test_manifest_passes_strict_crd_validation(schema, flavour, extra):
+    cfg = cfg_for(*("v6e", "4x4") if flavour == "v6e" else ("tpu7x", "2x2x2"), **extra)
+    assert validate(ray_cluster_manifest(cfg, IMAGE), schema) == []
+
+
+def _broken(mutate):
+    manifest = copy.deepcopy(FLAVOURS["v6e"][1])
+    mutate(manifest)
+    return manifest
+
+
+BROKEN = {
+    "typo'd field": (lambda m: m["spec"]["workerGroupSpecs"][0].update(numOfHost=4), "numOfHost: unknown field"),
+    "typo in pod spec": (
+        lambda m: m["spec"]["headGroupSpec"]["template"]["spec"].update(nodeSelecter={}),
+        "nodeSelecter: unknown field",
+    ),
+    "wrong type": (lambda m: m["spec"]["workerGroupSpecs"][0].update(replicas="1"), "replicas: expected integer"),
+    "port as string": (
+        lambda m: m["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"][0].update(containerPort="6379"),
+        "containerPort: expected integer",
+    ),
+    "missing required": (lambda m: m["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0].pop("name"), "missing required field 'name'"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_validator_bites(schema, case):
+    mutate, message = BROKEN[case]
+    errors = validate(_broken(mutate), schema)
+    assert any(message in e for e in errors), errors
+
+
+def test_defaults_are_applied_before_required_is_checked():
+    schema = {
+        "type": "object",
+        "properties": {"spec": {"type": "object", "required": ["mode"], "properties": {"mode": {"type": "string", "default": "a"}}}},
+    }
+    assert validate({"spec": {}}, schema) == []
+    del schema["properties"]["spec"]["properties"]["mode"]["default"]
+    assert validate({"spec": {}}, schema) == [".spec: missing required field 'mode'"]

@@ -1,0 +1,219 @@
+"""The Pulumi program under mocks: every resource and its inputs, per stack and mode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.stack_harness import DIGEST, PROJECT_NUMBER, SECRET_SIG, TOKEN, run_program, stack_config
+
+STACKS = ("v6e", "tpu7x")
+MODES = ("standard", "autopilot")
+COMMON = [
+    "gcp:artifactregistry/repository:Repository",
+    "gcp:container/cluster:Cluster",
+    "gcp:projects/service:Service",
+    "gcp:projects/service:Service",
+    "gcp:projects/service:Service",
+    "gcp:projects/service:Service",
+    "gcp:storage/bucket:Bucket",
+    "gcp:storage/bucketIAMMember:BucketIAMMember",
+    "docker:index/image:Image",
+    "kubernetes:core/v1:Secret",
+    "kubernetes:ray.io/v1:RayCluster",
+    "pulumi-python:dynamic:Resource",
+    "pulumi:providers:kubernetes",
+    "gemma-tpu:infra:CheckpointBucket",
+    "gemma-tpu:infra:GkeCluster",
+    "gemma-tpu:infra:ImageRegistry",
+    "gemma-tpu:infra:KubernetesAccess",
+    "gemma-tpu:infra:ProjectApis",
+    "gemma-tpu:infra:RayCluster",
+]
+EXTRA = {
+    ("v6e", "standard"): ["gcp:container/nodePool:NodePool"],
+    ("tpu7x", "standard"): ["gcp:container/nodePool:NodePool", "gcp:compute/resourcePolicy:ResourcePolicy"],
+}
+
+
+@pytest.fixture(scope="module", params=[(s, m) for s in STACKS for m in MODES], ids=lambda p: f"{p[0]}-{p[1]}")
+def run(request):
+    stack, mode = request.param
+    result = run_program(stack, stack_config(stack, mode=mode))
+    result.stack, result.mode = stack, mode
+    return result
+
+
+def test_registers_exactly_the_expected_resources(run):
+    assert run.types == sorted(COMMON + EXTRA.get((run.stack, run.mode), []))
+
+
+def test_apis_stay_enabled_on_destroy(run):
+    services = run.of_type("gcp:projects/service:Service")
+    assert {s.inputs["service"] for s in services} == {
+        "compute.googleapis.com",
+        "container.googleapis.com",
+        "artifactregistry.googleapis.com",
+        "storage.googleapis.com",
+    }
+    assert all(s.inputs["disableOnDestroy"] is False for s in services)
+
+
+def test_cluster(run):
+    cluster = run.one("gcp:container/cluster:Cluster").inputs
+    assert cluster["name"] == f"ray-tpu-{run.stack}"
+    assert cluster["minMasterVersion"] == "1.36"
+    assert cluster["deletionProtection"] is False
+    assert cluster["addonsConfig"] == {
+        "rayOperatorConfigs": [
+            {
+                "enabled": True,
+                "rayClusterLoggingConfig": {"enabled": True},
+                "rayClusterMonitoringConfig": {"enabled": True},
+            }
+        ]
+    }
+    if run.mode == "autopilot":
+        assert cluster["location"] == "us-east5"
+        assert cluster["enableAutopilot"] is True
+        assert "nodeConfig" not in cluster
+    else:
+        assert cluster["location"] == "us-east5-b"
+        assert "enableAutopilot" not in cluster
+        assert cluster["initialNodeCount"] == 1
+        assert cluster["nodeConfig"] == {
+            "machineType": "n2-standard-8",
+            "gcfsConfig": {"enabled": True},
+            "workloadMetadataConfig": {"mode": "GKE_METADATA"},
+        }
+        assert cluster["datapathProvider"] == "ADVANCED_DATAPATH"
+        assert cluster["workloadIdentityConfig"] == {"workloadPool": "demo-project.svc.id.goog"}
+
+
+def test_tpu_node_pool(run):
+    pools = run.of_type("gcp:container/nodePool:NodePool")
+    if run.mode == "autopilot":
+        assert pools == []
+        return
+    pool = pools[0].inputs
+    assert pool["name"] == "tpu-multi-host-pool"
+    assert pool["location"] == "us-east5-b"
+    assert pool["cluster"] == f"ray-tpu-{run.stack}"
+    if run.stack == "v6e":
+        assert pool["nodeCount"] == 4
+        assert pool["nodeConfig"]["machineType"] == "ct6e-standard-4t"
+        assert pool["placementPolicy"] == {"type": "COMPACT", "tpuTopology": "4x4"}
+    else:
+        policy = run.one("gcp:compute/resourcePolicy:ResourcePolicy").inputs
+        assert policy["region"] == "us-east5"
+        assert policy["workloadPolicy"] == {"type": "HIGH_THROUGHPUT", "acceleratorTopology": "2x2x2"}
+        assert pool["nodeCount"] == 2
+        assert pool["nodeConfig"]["machineType"] == "tpu7x-standard-4t"
+        assert pool["placementPolicy"] == {"type": "COMPACT", "policyName": policy["name"]}
+    assert "spot" not in pool["nodeConfig"] and "reservationAffinity" not in pool["nodeConfig"]
+
+
+def test_bucket_and_workload_identity_grant(run):
+    bucket = run.one("gcp:storage/bucket:Bucket").inputs
+    assert bucket["name"] == f"demo-project-{run.stack}-checkpoints"
+    assert bucket["location"] == "US-EAST5"
+    assert bucket["uniformBucketLevelAccess"] is True
+    member = run.one("gcp:storage/bucketIAMMember:BucketIAMMember").inputs
+    assert member["bucket"] == bucket["name"]
+    assert member["role"] == "roles/storage.objectAdmin"
+    assert member["member"] == (
+        f"principal://iam.googleapis.com/projects/{PROJECT_NUMBER}/locations/global/"
+        "workloadIdentityPools/demo-project.svc.id.goog/subject/ns/default/sa/default"
+    )
+
+
+def test_repository_and_image(run):
+    repo = run.one("gcp:artifactregistry/repository:Repository").inputs
+    assert repo["format"] == "DOCKER" and repo["location"] == "us-east5"
+    image = run.one("docker:index/image:Image").inputs
+    assert image["imageName"] == "us-east5-docker.pkg.dev/demo-project/ray-torchtpu/ray-torchtpu:latest"
+    assert image["buildOnPreview"] is False
+    assert image["build"]["dockerfile"].endswith("image/Dockerfile")
+    assert image["registry"][SECRET_SIG]  # the registry block carries an access token
+    registry = image["registry"]["value"]
+    assert registry["server"] == "us-east5-docker.pkg.dev"
+    assert registry["username"] == "oauth2accesstoken"
+
+
+def test_secret_holds_the_token_under_the_walkthrough_names(run):
+    secret = run.one("kubernetes:core/v1:Secret")
+    assert secret.inputs["metadata"]["name"] == "hf-secret"
+    assert secret.inputs["stringData"][SECRET_SIG]
+    assert secret.inputs["stringData"]["value"] == {"hf_api_token": TOKEN}
+
+
+def test_ray_cluster_waits_for_crd_and_head(run):
+    rc = run.one("kubernetes:ray.io/v1:RayCluster").inputs
+    assert rc["metadata"]["annotations"] == {"pulumi.com/waitFor": "condition=HeadPodReady"}
+    image = f"us-east5-docker.pkg.dev/demo-project/ray-torchtpu/ray-torchtpu@{DIGEST}"
+    containers = [rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]] + [
+        g["template"]["spec"]["containers"][0] for g in rc["spec"]["workerGroupSpecs"]
+    ]
+    assert {c["image"] for c in containers} == {image}
+    crd = run.one("pulumi-python:dynamic:Resource").inputs
+    assert crd["crd"] == "rayclusters.ray.io" and crd["endpoint"] == "203.0.113.10"
+
+
+def test_outputs(run):
+    assert run.outputs["clusterName"] == f"ray-tpu-{run.stack}"
+    assert run.outputs["bucket"] == f"gs://demo-project-{run.stack}-checkpoints"
+    assert run.outputs["image"].endswith("@" + DIGEST)
+    assert run.outputs["rayClusterName"] == "ray-torchtpu-cluster"
+    assert "svc/ray-torchtpu-cluster-head-svc 8265:8265" in run.outputs["dashboard"]
+    kubeconfig = json.loads(run.outputs["kubeconfig"])
+    assert kubeconfig["users"][0]["user"]["exec"]["command"] == "gke-gcloud-auth-plugin"
+    assert "auth-provider" not in run.outputs["kubeconfig"]
+    assert kubeconfig["clusters"][0]["cluster"]["server"] == "https://203.0.113.10"
+    assert run.secret_outputs == {"kubeconfig"}
+
+
+def _plain_occurrences(node, needle: str) -> int:
+    """How often `needle` appears outside Pulumi secret envelopes."""
+    if isinstance(node, dict):
+        if SECRET_SIG in node:
+            return 0
+        return sum(_plain_occurrences(v, needle) for v in node.values())
+    if isinstance(node, list):
+        return sum(_plain_occurrences(v, needle) for v in node)
+    return int(isinstance(node, str) and needle in node)
+
+
+def test_token_never_in_plain_text(run):
+    assert sum(_plain_occurrences(r.raw, TOKEN) for r in run.resources) == 0
+    assert all(TOKEN not in json.dumps(v) for k, v in run.outputs.items())
+    # the check itself bites: the Secret does carry the token, wrapped
+    assert json.dumps(run.one("kubernetes:core/v1:Secret").raw).count(TOKEN) == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_spot(mode):
+    run = run_program("v6e", stack_config("v6e", mode=mode, spot="true"))
+    if mode == "standard":
+        assert run.one("gcp:container/nodePool:NodePool").inputs["nodeConfig"]["spot"] is True
+    else:
+        worker = run.one("kubernetes:ray.io/v1:RayCluster").inputs["spec"]["workerGroupSpecs"][0]
+        assert worker["template"]["spec"]["nodeSelector"]["cloud.google.com/gke-spot"] == "true"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_specific_reservation(mode):
+    run = run_program("tpu7x", stack_config("tpu7x", mode=mode, reservation="projects/shared-proj/reservations/iw-res"))
+    if mode == "standard":
+        affinity = run.one("gcp:container/nodePool:NodePool").inputs["nodeConfig"]["reservationAffinity"]
+        assert affinity == {
+            "consumeReservationType": "SPECIFIC_RESERVATION",
+            "key": "compute.googleapis.com/reservation-name",
+            "values": ["projects/shared-proj/reservations/iw-res"],
+        }
+    else:
+        worker = run.one("kubernetes:ray.io/v1:RayCluster").inputs["spec"]["workerGroupSpecs"][0]
+        selector = worker["template"]["spec"]["nodeSelector"]
+        assert selector["cloud.google.com/reservation-name"] == "iw-res"
+        assert selector["cloud.google.com/reservation-affinity"] == "specific"
+        assert selector["cloud.google.com/reservation-project"] == "shared-proj"
