@@ -95,7 +95,10 @@ def connect_ray(cpus_wanted: int) -> None:
     try:
         ray.init(address="auto")
     except ConnectionError:
-        ray.init(num_cpus=max(cpus_wanted, os.cpu_count() or 1))
+        # A private single-machine Ray: keep it, and the process groups, on loopback.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        ray.init(num_cpus=max(cpus_wanted, os.cpu_count() or 1), _node_ip_address="127.0.0.1", include_dashboard=False)
 
 
 def print_result(result: dict) -> None:

@@ -181,12 +181,12 @@ def train_loop_per_worker(config: dict) -> None:
     device = backend.device()
     torch.manual_seed(config["seed"])
 
-    start_epoch, source = 0, config["model"]
+    start_epoch, source, history = 0, config["model"], []
     restored = ray.train.get_checkpoint()
     with restored.as_directory() if restored else tempfile.TemporaryDirectory() as restored_dir:
         if restored:
-            start_epoch = json.loads(Path(restored_dir, STATE_FILE).read_text())["epoch"]
-            source = restored_dir
+            state = json.loads(Path(restored_dir, STATE_FILE).read_text())
+            start_epoch, history, source = state["epoch"], state["history"], restored_dir
             print(f"[rank {rank}] resuming from {restored.path} after epoch {start_epoch}", flush=True)
         tokenizer = AutoTokenizer.from_pretrained(config["tokenizer"] or source, token=os.environ.get("HF_TOKEN"))
         model = load_model(source)
@@ -239,8 +239,9 @@ def train_loop_per_worker(config: dict) -> None:
             "real_tokens_per_s": stats[1].item() / elapsed,
             "steps": steps,
         }
+        history.append(metrics)
         with tempfile.TemporaryDirectory() as out_dir:
-            save_checkpoint(model, tokenizer, frozen_name, frozen, out_dir, {"epoch": epoch + 1, **metrics})
+            save_checkpoint(model, tokenizer, frozen_name, frozen, out_dir, {"epoch": epoch + 1, "history": history})
             checkpoint = ray.train.Checkpoint.from_directory(out_dir) if rank == 0 else None
             ray.train.report(metrics, checkpoint=checkpoint)
         if rank == 0:
@@ -321,11 +322,17 @@ def run(args: argparse.Namespace) -> dict:
     )
     result = trainer.fit()
     best = [checkpoint_uri(args.storage_path, c.path) for c, _ in (result.best_checkpoints or [])]
+    final = result.checkpoint
+    history = []
+    if final is not None:
+        with final.filesystem.open_input_stream(f"{final.path}/{STATE_FILE}") as f:
+            history = json.loads(f.read())["history"]
     return {
         "run_name": run_name,
-        "checkpoint": checkpoint_uri(args.storage_path, result.checkpoint.path) if result.checkpoint else None,
+        "checkpoint": checkpoint_uri(args.storage_path, final.path) if final else None,
         "checkpoints": best,
         "metrics": dict(result.metrics or {}),
+        "history": history,
     }
 
 

@@ -1,0 +1,104 @@
+"""A Ray head on 127.0.0.1 for `make local` and the tests, stopped by whoever started it.
+
+`ray start --block` runs in its own process group, so stopping it ends this head and its
+workers and nothing else (unlike `ray stop`, which ends every Ray on the machine).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalRayHead:
+    def __init__(self, num_cpus: int = 4, log_dir: Path | None = None, env: dict[str, str] | None = None):
+        self.num_cpus = num_cpus
+        self.port, self.dashboard_port = free_port(), free_port()
+        self.log_dir = log_dir
+        # Token auth off unless asked for: a stray ~/.ray/auth_token must not decide for us.
+        self.env = {
+            **os.environ,
+            "RAY_AUTH_MODE": "disabled",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            # Ray then reports 127.0.0.1 as every node's address, so gloo and Train stay on loopback.
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "GLOO_SOCKET_IFNAME": "lo",
+            **(env or {}),
+        }
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def client_env(self) -> dict[str, str]:
+        """Environment for a driver that should join this head."""
+        return {**self.env, "RAY_ADDRESS": self.address}
+
+    def start(self, timeout_s: float = 120) -> LocalRayHead:
+        ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
+        out = open(self.log_dir / "ray-head.log", "w") if self.log_dir else subprocess.DEVNULL  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [
+                ray_bin, "start", "--head", "--block",
+                "--node-ip-address=127.0.0.1",
+                f"--port={self.port}",
+                f"--num-cpus={self.num_cpus}",
+                "--include-dashboard=true",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={self.dashboard_port}",
+                "--disable-usage-stats",
+            ],
+            env=self.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ray start exited with {self.process.returncode}; see {self.log_dir or 'its output'}")
+            try:
+                with urllib.request.urlopen(f"{self.dashboard_url}/api/version", timeout=2):
+                    return self
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"the local Ray dashboard did not answer on {self.dashboard_url} within {timeout_s:.0f}s")
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def __enter__(self) -> LocalRayHead:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

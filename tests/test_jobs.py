@@ -1,0 +1,140 @@
+"""The two jobs for real on CPU: real Ray, torch.distributed on gloo, DTensor, FSDP2, Gemma 4."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from backend import RESULT_PREFIX, parse_result
+
+JOBS = Path(__file__).resolve().parent.parent / "jobs"
+
+
+def run_job(head, script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(JOBS / script), *args],
+        env=head.client_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_collectives_pass_on_four_workers(ray_head):
+    done = run_job(ray_head, "ray_core_collectives.py", "--backend", "cpu", "--num-workers", "4")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rank_lines = [line for line in done.stdout.splitlines() if line.startswith("rank=")]
+    assert len(rank_lines) == 4 and all("sum=10.0" in line for line in rank_lines)
+    result = parse_result(done.stdout)
+    assert done.stdout.strip().splitlines()[-1].startswith(RESULT_PREFIX)
+    assert result["ok"] and result["parity_ok"] and result["sums_ok"]
+    assert (result["world_size"], result["expected_sum"]) == (4, 10.0)
+    assert result["max_abs_diff"] < 1e-2
+
+
+def test_collectives_fail_on_a_broken_reference(ray_head):
+    done = run_job(ray_head, "ray_core_collectives.py", "--backend", "cpu", "--num-workers", "4", "--reference-seed", "7")
+    assert done.returncode == 1
+    result = parse_result(done.stdout)
+    assert result["ok"] is False and result["parity_ok"] is False and result["sums_ok"] is True
+    assert "FAIL" in done.stdout and "parity BROKEN" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def finetune(ray_head, tiny_assets, tmp_path_factory):
+    storage = tmp_path_factory.mktemp("ckpt")
+    args = [
+        "--backend", "cpu", "--num-workers", "2", "--model", tiny_assets["model"],
+        "--dataset", tiny_assets["dataset"], "--split", "train", "--seq-len", "128",
+        "--lr", "1e-3", "--storage-path", str(storage), "--run-name", "tiny",
+    ]  # fmt: skip
+    first = run_job(ray_head, "ray_train_llm_finetune.py", *args, "--epochs", "2")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    return {"args": args, "first": first, "result": parse_result(first.stdout), "storage": storage}
+
+
+def test_finetune_reports_falling_loss_and_both_throughputs(finetune):
+    history = finetune["result"]["history"]
+    assert [h["epoch"] for h in history] == [1, 2]
+    assert history[1]["loss"] < history[0]["loss"]
+    metrics = finetune["result"]["metrics"]
+    assert metrics["epoch"] == 2
+    assert {"loss", "epoch_time_s", "tokens_per_s", "real_tokens_per_s"} <= set(metrics)
+    assert 0 < metrics["real_tokens_per_s"] < metrics["tokens_per_s"]
+
+
+def test_finetune_checkpoint_loads_with_from_pretrained(finetune, tiny_assets):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result = finetune["result"]
+    checkpoint = Path(result["checkpoint"])
+    assert checkpoint.is_dir() and checkpoint.is_relative_to(finetune["storage"] / "tiny")
+    assert result["checkpoints"] == [result["checkpoint"]]
+    trained, info = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, output_loading_info=True)
+    assert info["missing_keys"] == set() or not info["missing_keys"]
+    assert AutoTokenizer.from_pretrained(checkpoint)("Instruction: bees")["input_ids"]
+    initial = AutoModelForCausalLM.from_pretrained(tiny_assets["model"], dtype=torch.bfloat16)
+    table = "model.language_model.embed_tokens_per_layer.weight"
+    trained_sd, initial_sd = trained.state_dict(), initial.state_dict()
+    assert torch.equal(trained_sd[table], initial_sd[table])
+    changed = [k for k in initial_sd if k != table and not torch.equal(trained_sd[k], initial_sd[k])]
+    assert any(".mlp." in k for k in changed) and any("self_attn" in k for k in changed)
+
+
+def test_finetune_resumes_without_redoing_epochs(ray_head, finetune):
+    second = run_job(ray_head, "ray_train_llm_finetune.py", *finetune["args"], "--epochs", "3")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    logs = second.stdout + second.stderr
+    assert "after epoch 2" in logs
+    epochs_run = {line.split('"epoch": ')[1].split(",")[0] for line in logs.splitlines() if '{"rank": 0, "epoch"' in line}
+    assert epochs_run == {"3"}
+    result = parse_result(second.stdout)
+    assert result["metrics"]["epoch"] == 3
+    # the first two epochs come from the restored checkpoint, not from a rerun
+    assert result["history"][:2] == finetune["result"]["history"]
+
+
+BAD_INPUTS = {
+    "unknown backend": (["--backend", "xla"], "--backend 'xla' is not supported; choose one of: tpu, cpu, cuda"),
+    "unknown accelerator": (["--backend", "tpu", "--accelerator-type", "TPU-V9"], "--accelerator-type 'TPU-V9' is not supported"),
+    "topology vs workers": (
+        ["--backend", "tpu", "--topology", "4x4", "--num-workers", "8"],
+        "--num-workers 8 does not match --topology 4x4 on TPU-V6E, which has 16 devices",
+    ),
+    "ironwood devices": (
+        ["--backend", "tpu", "--topology", "2x2x2", "--accelerator-type", "TPU-V7X", "--num-workers", "8"],
+        "which has 16 devices",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+@pytest.mark.parametrize("script", ["ray_core_collectives", "ray_train_llm_finetune"])
+def test_bad_flags_fail_fast(case, script, capsys):
+    module = __import__(script)
+    argv, message = BAD_INPUTS[case]
+    assert module.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_finetune_bad_inputs_fail_fast(tiny_assets, tmp_path, capsys):
+    import ray_train_llm_finetune as ft
+
+    base = ["--backend", "cpu", "--num-workers", "2", "--model", tiny_assets["model"], "--split", "train"]
+    no_columns = tmp_path / "bad.jsonl"
+    no_columns.write_text('{"question": "q", "answer": "a"}\n' * 8)
+    read_only = tmp_path / "file-not-dir"
+    read_only.write_text("x")
+    cases = [
+        (["--dataset", str(no_columns)], "lacks column(s) instruction, response; it has question, answer"),
+        (["--dataset", tiny_assets["dataset"], "--model", str(tmp_path / "nope")], "does not exist"),
+        (["--dataset", tiny_assets["dataset"], "--storage-path", str(read_only / "sub")], "cannot be written"),
+        (["--dataset", str(tmp_path / "missing.jsonl")], "does not exist"),
+    ]
+    for extra, message in cases:
+        assert ft.main(base + extra) == 2, extra
+        assert message in capsys.readouterr().err, extra
