@@ -2,7 +2,8 @@
 
 Reads the stack's config once, then declares, in order: the APIs, the GKE cluster
 (and its TPU slice in Standard mode), the checkpoint bucket, the image, the
-Kubernetes access, and the RayCluster.
+Kubernetes access, the RayCluster, and last the jobs that fine-tune on it.
+The `local` stack declares only the jobs, against a Ray head on this machine.
 """
 
 import pulumi
@@ -14,28 +15,45 @@ from infra.kube import KubernetesAccess
 from infra.raycluster import RayCluster, dashboard_command
 from infra.registry import ImageRegistry
 from infra.storage import CheckpointBucket
+from infra.training import TrainingJobs, gke_target, local_target
 
 cfg, hf_token = config.load()
-after_apis = pulumi.ResourceOptions(depends_on=ProjectApis("apis", cfg.project).services)
 
-gke = GkeCluster(cfg.cluster_name, cfg, opts=after_apis)
-bucket = CheckpointBucket("checkpoints", cfg, opts=pulumi.ResourceOptions(depends_on=[gke.cluster]))
-registry = ImageRegistry("registry", cfg, opts=after_apis)
-kube = KubernetesAccess("gke", gke.name, gke.endpoint, gke.ca_certificate)
-ray = RayCluster(
-    cfg.ray_cluster_name,
-    cfg,
-    image=registry.image,
-    hf_token=hf_token,
-    provider=kube.provider,
-    endpoint=gke.endpoint,
-    ca_certificate=gke.ca_certificate,
-    depends_on=[bucket.member, *([gke.tpu_pool] if gke.tpu_pool else [])],
-)
+if cfg.local:
+    training = TrainingJobs("training", cfg, local_target(cfg.ray_address), cluster="local", image="local")
+else:
+    after_apis = pulumi.ResourceOptions(depends_on=ProjectApis("apis", cfg.project).services)
+    gke = GkeCluster(cfg.cluster_name, cfg, opts=after_apis)
+    bucket = CheckpointBucket("checkpoints", cfg, opts=pulumi.ResourceOptions(depends_on=[gke.cluster]))
+    registry = ImageRegistry("registry", cfg, opts=after_apis)
+    kube = KubernetesAccess("gke", gke.name, gke.endpoint, gke.ca_certificate)
+    ray = RayCluster(
+        cfg.ray_cluster_name,
+        cfg,
+        image=registry.image,
+        hf_token=hf_token,
+        provider=kube.provider,
+        endpoint=gke.endpoint,
+        ca_certificate=gke.ca_certificate,
+        depends_on=[bucket.member, *([gke.tpu_pool] if gke.tpu_pool else [])],
+    )
+    training = TrainingJobs(
+        "training",
+        cfg,
+        gke_target(cfg, gke.endpoint, gke.ca_certificate),
+        cluster=gke.name,
+        image=registry.image,
+        opts=pulumi.ResourceOptions(depends_on=[ray]),
+    )
+    pulumi.export("clusterName", gke.name)
+    pulumi.export("kubeconfig", kube.kubeconfig)
+    pulumi.export("bucket", bucket.url)
+    pulumi.export("image", registry.image)
+    pulumi.export("rayClusterName", ray.name)
+    pulumi.export("dashboard", dashboard_command(cfg))
 
-pulumi.export("clusterName", gke.name)
-pulumi.export("kubeconfig", kube.kubeconfig)
-pulumi.export("bucket", bucket.url)
-pulumi.export("image", registry.image)
-pulumi.export("rayClusterName", ray.name)
-pulumi.export("dashboard", dashboard_command(cfg))
+pulumi.export("checkpoint", training.checkpoint)
+pulumi.export("checkpoints", training.checkpoints)
+pulumi.export("metrics", training.metrics)
+pulumi.export("collectives", training.collectives)
+pulumi.export("jobIds", training.job_ids)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
@@ -18,7 +18,9 @@ from infra import PROJECT
 from infra.tpu import GENERATIONS, TpuSlice, is_topology
 
 PULUMI_YAML = Path(__file__).resolve().parent.parent / "Pulumi.yaml"
-MODES = ("standard", "autopilot")
+ROOT = PULUMI_YAML.parent
+MODES = ("standard", "autopilot", "local")
+GKE_MODES = ("standard", "autopilot")
 SECRET_KEYS = ("hfToken",)
 
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -45,7 +47,13 @@ class JobSettings:
     dataset_split: str
     epochs: int
     batch_size: int
+    seq_len: int
+    learning_rate: float
     timeout_minutes: int
+    # local mode only
+    collectives_workers: int
+    finetune_workers: int
+    local_storage_path: str
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,12 @@ class StackConfig:
     service_account: str
     job: JobSettings
 
+    ray_address: str
+
+    @property
+    def local(self) -> bool:
+        return self.mode == "local"
+
     @property
     def autopilot(self) -> bool:
         return self.mode == "autopilot"
@@ -93,6 +107,11 @@ class StackConfig:
 def declared_keys() -> dict[str, dict]:
     """The project's config keys as Pulumi.yaml declares them (type, default, description)."""
     return yaml.safe_load(PULUMI_YAML.read_text())["config"]
+
+
+def _local_path(ref: str) -> str:
+    path = ROOT / ref
+    return str(path) if not Path(ref).is_absolute() and (ref.startswith(".") or path.exists()) else ref
 
 
 def key(name: str) -> str:
@@ -170,7 +189,8 @@ def parse(
     else:
         tpu_slice = TpuSlice(generation, topology)
 
-    if not project:
+    local = mode == "local"
+    if not project and not local:
         problems.append("gcp:project: not set; run: pulumi config set gcp:project PROJECT_ID")
     if region and not _REGION.match(region):
         problems.append(f"gcp:region: {region!r} is not a region name such as us-east5")
@@ -188,7 +208,7 @@ def parse(
     elif mode == "autopilot" and not region:
         problems.append("gcp:region: not set; autopilot mode makes a regional cluster: pulumi config set gcp:region REGION")
 
-    if not has_token:
+    if not has_token and not local:
         problems.append(f"{key('hfToken')}: not set; run: pulumi config set --secret hfToken hf_...")
 
     spot = typed("spot", boolean)
@@ -201,7 +221,7 @@ def parse(
     version = value("clusterVersion")
     if parse_version(version) is None:
         problems.append(f"{key('clusterVersion')}: {version!r} is not a GKE version; use MAJOR.MINOR (1.36) or 1.36.X-gke.N")
-    elif generation is not None and mode in MODES:
+    elif generation is not None and mode in GKE_MODES:
         minimum = generation.min_gke_autopilot if mode == "autopilot" else generation.min_gke_standard
         if not version_at_least(version, minimum):
             problems.append(
@@ -216,20 +236,33 @@ def parse(
     image_name = name_check("imageName", _DNS_1123, 128, "an image name")
 
     bucket = value("bucketName") or (f"{project}-{stack}-checkpoints" if project else "")
+    if local:
+        bucket = value("bucketName")
     if bucket and (not _BUCKET.match(bucket) or ".." in bucket or bucket.startswith("goog") or "google" in bucket):
         problems.append(
             f"{key('bucketName')}: {bucket!r} is not a valid bucket name (3-63 of a-z 0-9 - _ ., "
             "starting and ending with a letter or digit, no 'goog' prefix or 'google')"
         )
 
+    learning_rate = typed("learningRate", float)
+    if learning_rate is not None and learning_rate <= 0:
+        problems.append(f"{key('learningRate')}: {value('learningRate')!r} must be a positive number")
     job = JobSettings(
         model=value("model"),
         dataset=value("dataset"),
         dataset_split=value("datasetSplit"),
         epochs=positive("epochs"),
         batch_size=positive("batchSize"),
+        seq_len=positive("seqLen"),
+        learning_rate=learning_rate or 0.0,
         timeout_minutes=positive("jobTimeoutMinutes"),
+        collectives_workers=positive("collectivesWorkers"),
+        finetune_workers=positive("finetuneWorkers"),
+        local_storage_path=str(ROOT / value("localStoragePath")),
     )
+    if local:
+        # The local stack names files of this checkout; the jobs run elsewhere, so make them absolute.
+        job = replace(job, model=_local_path(job.model), dataset=_local_path(job.dataset))
     for name in ("model", "dataset", "datasetSplit"):
         if not value(name):
             problems.append(f"{key(name)}: must not be empty")
@@ -259,6 +292,7 @@ def parse(
         namespace=namespace,
         service_account=service_account,
         job=job,
+        ray_address=value("rayAddress"),
     )
 
 

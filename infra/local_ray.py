@@ -36,6 +36,8 @@ class LocalRayHead:
             # Ray then reports 127.0.0.1 as every node's address, so gloo and Train stay on loopback.
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
             "GLOO_SOCKET_IFNAME": "lo",
+            # Job entrypoints say `python`: make it this interpreter, with Ray and torch.
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
             **(env or {}),
         }
         self.process: subprocess.Popen | None = None

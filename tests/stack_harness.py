@@ -38,6 +38,16 @@ class StackMocks(pulumi_mocks.Mocks):
             state |= {"endpoint": "203.0.113.10", "masterAuth": {"clusterCaCertificate": "Q0EtQ0VSVA=="}}
         elif args.typ == "docker:index/image:Image":
             state |= {"repoDigest": args.inputs["imageName"].rsplit(":", 1)[0] + "@" + DIGEST}
+        elif args.typ == "pulumi-python:dynamic:Resource" and args.name == "training":
+            storage = args.inputs["settings"]["storage_path"]
+            ckpt = f"{storage}/sft-run/checkpoint_2026-12-02_10-00-00.000000"
+            state |= {
+                "checkpoint": ckpt,
+                "checkpoints": [ckpt],
+                "metrics": {"epoch": 3, "loss": 2.2},
+                "collectives": {"ok": True},
+                "job_ids": {"collectives": "c-a1", "finetune": "f-a1"},
+            }
         elif args.typ == "gcp:storage/bucket:Bucket":
             state |= {"url": f"gs://{args.inputs['name']}"}
         return f"{args.name}-id", state
@@ -70,11 +80,11 @@ class Run:
     outputs: dict = field(default_factory=dict)
     secret_outputs: set = field(default_factory=set)
 
-    def of_type(self, type_: str) -> list[Registered]:
-        return [r for r in self.resources if r.type == type_]
+    def of_type(self, type_: str, name: str | None = None) -> list[Registered]:
+        return [r for r in self.resources if r.type == type_ and (name is None or r.name == name)]
 
-    def one(self, type_: str) -> Registered:
-        found = self.of_type(type_)
+    def one(self, type_: str, name: str | None = None) -> Registered:
+        found = self.of_type(type_, name)
         assert len(found) == 1, f"{type_}: {len(found)} registered"
         return found[0]
 

@@ -23,6 +23,7 @@ COMMON = [
     "kubernetes:core/v1:Secret",
     "kubernetes:ray.io/v1:RayCluster",
     "pulumi-python:dynamic:Resource",
+    "pulumi-python:dynamic:Resource",
     "pulumi:providers:kubernetes",
     "gemma-tpu:infra:CheckpointBucket",
     "gemma-tpu:infra:GkeCluster",
@@ -156,7 +157,7 @@ def test_ray_cluster_waits_for_crd_and_head(run):
         g["template"]["spec"]["containers"][0] for g in rc["spec"]["workerGroupSpecs"]
     ]
     assert {c["image"] for c in containers} == {image}
-    crd = run.one("pulumi-python:dynamic:Resource").inputs
+    crd = run.one("pulumi-python:dynamic:Resource", "ray-torchtpu-cluster-crd").inputs
     assert crd["crd"] == "rayclusters.ray.io" and crd["endpoint"] == "203.0.113.10"
 
 
@@ -171,6 +172,40 @@ def test_outputs(run):
     assert "auth-provider" not in run.outputs["kubeconfig"]
     assert kubeconfig["clusters"][0]["cluster"]["server"] == "https://203.0.113.10"
     assert run.secret_outputs == {"kubeconfig"}
+    assert run.outputs["checkpoint"].startswith(f"gs://demo-project-{run.stack}-checkpoints/ray_train_torchtpu/")
+    assert run.outputs["metrics"] == {"epoch": 3, "loss": 2.2}
+    assert run.outputs["jobIds"] == {"collectives": "c-a1", "finetune": "f-a1"}
+
+
+def test_training_jobs_resource(run):
+    training = run.one("pulumi-python:dynamic:Resource", "training").inputs
+    assert training["stack"] == run.stack
+    assert training["cluster"] == f"ray-tpu-{run.stack}"
+    assert training["image"].endswith("@" + DIGEST)
+    assert len(training["code"]) == 64
+    topology, accelerator = {"v6e": ("4x4", "TPU-V6E"), "tpu7x": ("2x2x2", "TPU-V7X")}[run.stack]
+    assert training["settings"] == {
+        "backend": "tpu",
+        "topology": topology,
+        "accelerator_type": accelerator,
+        "model": "google/gemma-4-E2B-it",
+        "dataset": "databricks/databricks-dolly-15k",
+        "dataset_split": "train[:1024]",
+        "epochs": 3,
+        "batch_size": 4,
+        "seq_len": 512,
+        "learning_rate": 2e-05,
+        "storage_path": f"gs://demo-project-{run.stack}-checkpoints/ray_train_torchtpu",
+    }
+    assert training["target"] == {
+        "kind": "gke",
+        "endpoint": "203.0.113.10",
+        "ca_certificate": "Q0EtQ0VSVA==",
+        "namespace": "default",
+        "service": "ray-torchtpu-cluster-head-svc",
+        "port": 8265,
+    }
+    assert training["timeout_s"] == 240 * 60
 
 
 def _plain_occurrences(node, needle: str) -> int:

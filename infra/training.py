@@ -1,0 +1,154 @@
+"""The last resource of the stack: runs the collectives check and the fine-tune, exports the checkpoint.
+
+A Pulumi dynamic resource over infra/ray_jobs.py. Its inputs hold no secret: Google and
+Ray credentials are read where it runs, when it runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pulumi
+import pulumi.dynamic as dynamic
+
+from infra.config import StackConfig
+from infra.raycluster import DASHBOARD_PORT, head_service
+
+CHECKPOINT_PREFIX = "ray_train_torchtpu"
+# Pulumi's marker for a value not known during preview.
+UNKNOWN = "04da6b54-80e4-46f7-96ec-b56ff0331ba9"
+
+
+def training_settings(cfg: StackConfig) -> dict:
+    """What the jobs are asked to do, from the stack's config."""
+    job = cfg.job
+    settings = {
+        "model": job.model,
+        "dataset": job.dataset,
+        "dataset_split": job.dataset_split,
+        "epochs": job.epochs,
+        "batch_size": job.batch_size,
+        "seq_len": job.seq_len,
+        "learning_rate": job.learning_rate,
+    }
+    if cfg.local:
+        return settings | {
+            "backend": "cpu",
+            "collectives_workers": job.collectives_workers,
+            "finetune_workers": job.finetune_workers,
+            "storage_path": job.local_storage_path,
+        }
+    return settings | {
+        "backend": "tpu",
+        "topology": cfg.slice.topology,
+        "accelerator_type": cfg.slice.generation.ray_accelerator_type,
+        "storage_path": f"gs://{cfg.bucket_name}/{CHECKPOINT_PREFIX}",
+    }
+
+
+def gke_target(cfg: StackConfig, endpoint: pulumi.Input[str], ca_certificate: pulumi.Input[str]) -> dict:
+    return {
+        "kind": "gke",
+        "endpoint": endpoint,
+        "ca_certificate": ca_certificate,
+        "namespace": cfg.namespace,
+        "service": head_service(cfg.ray_cluster_name),
+        "port": DASHBOARD_PORT,
+    }
+
+
+def has_unknowns(value) -> bool:
+    if isinstance(value, dict):
+        return any(has_unknowns(v) for v in value.values())
+    if isinstance(value, list):
+        return any(has_unknowns(v) for v in value)
+    return value == UNKNOWN
+
+
+def diff_props(olds: dict, news: dict) -> dynamic.DiffResult:
+    """Replace when what defines the run changed (or may have, during preview); else nothing to do."""
+    from infra.ray_jobs import DEFINING_KEYS
+
+    replaces = [k for k in DEFINING_KEYS if has_unknowns(news.get(k)) or olds.get(k) != news.get(k)]
+    others = [k for k in ("target", "timeout_s", "poll_s") if olds.get(k) != news.get(k)]
+    return dynamic.DiffResult(
+        changes=bool(replaces or others), replaces=replaces, stables=[], delete_before_replace=bool(replaces)
+    )
+
+
+def training_props(cfg: StackConfig, target: dict, cluster: pulumi.Input[str], image: pulumi.Input[str]) -> dict:
+    """The resource's inputs; `make local` builds the same and calls the provider with them."""
+    from infra.ray_jobs import jobs_code_hash
+
+    return {
+        "stack": cfg.stack,
+        "cluster": cluster,
+        "image": image,
+        "code": jobs_code_hash(),
+        "settings": training_settings(cfg),
+        "target": target,
+        "timeout_s": cfg.job.timeout_minutes * 60,
+        "poll_s": 2 if cfg.local else 15,
+    }
+
+
+def local_target(address: str) -> dict:
+    return {"kind": "local", "address": address}
+
+
+class _TrainingJobsProvider(dynamic.ResourceProvider):
+    def __init__(self):
+        # Serialized by value into the state; project modules are imported from the checkout.
+        self.root = str(Path(__file__).resolve().parent.parent)
+
+    def _jobs(self):
+        if self.root not in sys.path:
+            sys.path.insert(0, self.root)
+        from infra import ray_jobs
+
+        return ray_jobs
+
+    def create(self, props: dict) -> dynamic.CreateResult:
+        outputs = self._jobs().run_pipeline(props)
+        return dynamic.CreateResult(id_=outputs["job_ids"]["finetune"], outs={**props, **outputs})
+
+    def diff(self, _id, olds, news):
+        if self.root not in sys.path:
+            sys.path.insert(0, self.root)
+        return diff_props(olds, news)
+
+    def update(self, _id, olds, news):
+        # Only how to reach the head or how long to wait changed: the run stands.
+        return dynamic.UpdateResult(outs={**olds, **news})
+
+    def delete(self, _id, props):
+        self._jobs().stop_active(props, props.get("job_ids", {}))
+
+
+class TrainingJobs(dynamic.Resource):
+    """Outputs: checkpoint, checkpoints, metrics, history, collectives, job_ids."""
+
+    checkpoint: pulumi.Output[str]
+    checkpoints: pulumi.Output[list]
+    metrics: pulumi.Output[dict]
+    history: pulumi.Output[list]
+    collectives: pulumi.Output[dict]
+    job_ids: pulumi.Output[dict]
+
+    def __init__(
+        self,
+        name: str,
+        cfg: StackConfig,
+        target: dict,
+        cluster: pulumi.Input[str],
+        image: pulumi.Input[str],
+        opts: pulumi.ResourceOptions | None = None,
+    ):
+        props = training_props(cfg, target, cluster, image) | dict.fromkeys(
+            ("checkpoint", "checkpoints", "metrics", "history", "collectives", "job_ids")
+        )
+        opts = pulumi.ResourceOptions.merge(
+            opts, pulumi.ResourceOptions(custom_timeouts=pulumi.CustomTimeouts(create=f"{cfg.job.timeout_minutes * 2 + 10}m"))
+        )
+        super().__init__(_TrainingJobsProvider(), name, props, opts)
