@@ -17,9 +17,13 @@ lint: $(INSTALLED)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/hadolint image/Dockerfile
+	$(BIN)/check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+local: $(INSTALLED)
+	$(BIN)/python -m infra.local_run
 
 clean:
 	rm -rf $(VENV) .pytest_cache .local

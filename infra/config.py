@@ -29,7 +29,9 @@ _BUCKET = re.compile(r"^[a-z0-9][-a-z0-9_.]{1,61}[a-z0-9]$")
 _REGION = re.compile(r"^[a-z]+-[a-z]+[0-9]+$")
 _ZONE = re.compile(r"^([a-z]+-[a-z]+[0-9]+)-[a-z]$")
 _VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+)-gke\.(\d+))?$")
-_RESERVATION = re.compile(r"^(?:projects/([a-z][-a-z0-9]{4,28}[a-z0-9])/reservations/)?([a-z]([-a-z0-9]{0,61}[a-z0-9])?)$")
+_RESERVATION = re.compile(
+    r"^(?:projects/([a-z][-a-z0-9]{4,28}[a-z0-9])/reservations/)?([a-z]([-a-z0-9]{0,61}[a-z0-9])?)$"
+)
 
 
 class ConfigError(ValueError):
@@ -182,10 +184,14 @@ def parse(
     generation = GENERATIONS.get(gen_name)
     tpu_slice = None
     if generation is None:
-        problems.append(f"{key('tpuGeneration')}: {gen_name!r} is not a known TPU generation; allowed: {', '.join(GENERATIONS)}")
+        problems.append(
+            f"{key('tpuGeneration')}: {gen_name!r} is not a known TPU generation; allowed: {', '.join(GENERATIONS)}"
+        )
     elif topology not in generation.topologies:
         why = "is not a topology" if not is_topology(topology) else f"is not a {gen_name} multi-host topology"
-        problems.append(f"{key('tpuTopology')}: {topology!r} {why}; allowed for {gen_name}: {', '.join(generation.topologies)}")
+        problems.append(
+            f"{key('tpuTopology')}: {topology!r} {why}; allowed for {gen_name}: {', '.join(generation.topologies)}"
+        )
     else:
         tpu_slice = TpuSlice(generation, topology)
 
@@ -206,7 +212,9 @@ def parse(
                 problems.append(f"gcp:zone: {zone!r} is not in gcp:region {region!r}")
             region = region or zone_match.group(1)
     elif mode == "autopilot" and not region:
-        problems.append("gcp:region: not set; autopilot mode makes a regional cluster: pulumi config set gcp:region REGION")
+        problems.append(
+            "gcp:region: not set; autopilot mode makes a regional cluster: pulumi config set gcp:region REGION"
+        )
 
     if not has_token and not local:
         problems.append(f"{key('hfToken')}: not set; run: pulumi config set --secret hfToken hf_...")
@@ -216,11 +224,15 @@ def parse(
     if reservation and not _RESERVATION.match(reservation):
         problems.append(f"{key('reservation')}: {reservation!r} must be NAME or projects/PROJECT/reservations/NAME")
     if spot and reservation:
-        problems.append(f"{key('spot')}: true cannot be combined with {key('reservation')} {reservation!r}: Spot VMs do not consume reservations; unset one")
+        problems.append(
+            f"{key('spot')}: true cannot be combined with {key('reservation')} {reservation!r}: Spot VMs do not consume reservations; unset one"
+        )
 
     version = value("clusterVersion")
     if parse_version(version) is None:
-        problems.append(f"{key('clusterVersion')}: {version!r} is not a GKE version; use MAJOR.MINOR (1.36) or 1.36.X-gke.N")
+        problems.append(
+            f"{key('clusterVersion')}: {version!r} is not a GKE version; use MAJOR.MINOR (1.36) or 1.36.X-gke.N"
+        )
     elif generation is not None and mode in GKE_MODES:
         minimum = generation.min_gke_autopilot if mode == "autopilot" else generation.min_gke_standard
         if not version_at_least(version, minimum):
@@ -229,7 +241,9 @@ def parse(
             )
 
     cluster_name = name_check("clusterName", _DNS_1035, 40, "a GKE cluster name (lowercase letters, digits, '-')")
-    ray_cluster_name = name_check("rayClusterName", _DNS_1035, 53, "a DNS-1035 label (the TPU webhook builds hostnames from it)")
+    ray_cluster_name = name_check(
+        "rayClusterName", _DNS_1035, 53, "a DNS-1035 label (the TPU webhook builds hostnames from it)"
+    )
     namespace = name_check("namespace", _DNS_1123, 63, "a DNS-1123 label")
     service_account = name_check("serviceAccount", _DNS_1123, 63, "a DNS-1123 label")
     repository = name_check("repositoryName", _DNS_1035, 63, "an Artifact Registry repository id")

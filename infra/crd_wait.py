@@ -14,7 +14,6 @@ from pathlib import Path
 import pulumi
 import pulumi.dynamic as dynamic
 
-
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
 
 
@@ -79,5 +78,3 @@ class CrdEstablished(dynamic.Resource):
             {"endpoint": endpoint, "ca_certificate": ca_certificate, "crd": crd, "timeout_s": timeout_s},
             opts,
         )
-
-

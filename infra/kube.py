@@ -17,7 +17,10 @@ def kubeconfig(name: str, endpoint: str, ca_certificate_b64: str) -> str:
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [
-                {"name": name, "cluster": {"server": f"https://{endpoint}", "certificate-authority-data": ca_certificate_b64}}
+                {
+                    "name": name,
+                    "cluster": {"server": f"https://{endpoint}", "certificate-authority-data": ca_certificate_b64},
+                }
             ],
             "contexts": [{"name": name, "context": {"cluster": name, "user": name}}],
             "current-context": name,

@@ -76,7 +76,9 @@ class LocalRayHead:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"ray start exited with {self.process.returncode}; see {self.log_dir or 'its output'}")
+                raise RuntimeError(
+                    f"ray start exited with {self.process.returncode}; see {self.log_dir or 'its output'}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.dashboard_url}/api/version", timeout=2):
                     return self

@@ -111,27 +111,30 @@ def service_proxy_address(api_server: str, namespace: str, service: str, port: i
     return f"{api_server.rstrip('/')}/api/v1/namespaces/{namespace}/services/{service}:{port}/proxy"
 
 
-def connect(target: dict):
-    """A JobSubmissionClient for `target`: {"address": ...} locally, or the GKE service proxy."""
+def google_token() -> str:
+    from infra import kube_api
+
+    return kube_api.google_access_token()
+
+
+def connect(target: dict, token_source: Callable[[], str] = google_token):
+    """A JobSubmissionClient: {"kind": "local", "address"}, or {"kind": "gke", ...} via the API server."""
     import base64
 
     from ray.job_submission import JobSubmissionClient
 
     headers = ray_auth_headers()
+    if target["kind"] == "local":
+        return JobSubmissionClient(target["address"], headers=headers)
     verify: bool | str = True
-    if target.get("kind") == "gke":
-        from infra import kube_api
-
-        headers["Authorization"] = f"Bearer {kube_api.google_access_token()}"
-        ca = tempfile.NamedTemporaryFile("wb", suffix=".crt", delete=False)  # noqa: SIM115
-        ca.write(base64.b64decode(target["ca_certificate"]))
-        ca.close()
+    if target.get("ca_certificate"):
+        with tempfile.NamedTemporaryFile("wb", suffix=".crt", delete=False) as ca:
+            ca.write(base64.b64decode(target["ca_certificate"]))
         verify = ca.name
-        address = service_proxy_address(f"https://{target['endpoint']}", target["namespace"], target["service"], target["port"])
-    else:
-        address = target["address"]
-        if target.get("bearer_token"):  # a stand-in proxy in tests
-            headers["Authorization"] = f"Bearer {target['bearer_token']}"
+    endpoint = target["endpoint"]
+    api_server = endpoint if "://" in endpoint else f"https://{endpoint}"
+    headers["Authorization"] = f"Bearer {token_source()}"
+    address = service_proxy_address(api_server, target["namespace"], target["service"], target["port"])
     return JobSubmissionClient(address, headers=headers, verify=verify)
 
 
@@ -210,12 +213,10 @@ def wait(client, spec: JobSpec, submission_id: str, timeout_s: float, poll_s: fl
 # ---- the pipeline ---------------------------------------------------------------------------------
 
 
-def run_pipeline(props: dict, log: Log = default_log) -> dict:
+def run_pipeline(props: dict, log: Log = default_log, token_source: Callable[[], str] = google_token) -> dict:
     """Collectives check, and only if it passes the fine-tune; returns the resource's outputs."""
-    client = connect(props["target"])
+    client = connect(props["target"], token_source)
     runtime_env = {"working_dir": str(JOBS_DIR), "excludes": UPLOAD_EXCLUDES}
-    if props["settings"].get("job_env"):
-        runtime_env["env_vars"] = dict(props["settings"]["job_env"])
     results, ids = {}, {}
     for spec in job_specs(props["settings"]):
         job_base = base_id(props, spec.name)
@@ -235,9 +236,11 @@ def run_pipeline(props: dict, log: Log = default_log) -> dict:
     }
 
 
-def stop_active(props: dict, job_ids: dict, log: Log = default_log) -> list[str]:
+def stop_active(
+    props: dict, job_ids: dict, log: Log = default_log, token_source: Callable[[], str] = google_token
+) -> list[str]:
     """Stop what is still running; checkpoints stay where they are."""
-    client = connect(props["target"])
+    client = connect(props["target"], token_source)
     stopped = []
     for submission_id in job_ids.values():
         if job_status(client, submission_id) in ACTIVE:

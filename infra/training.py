@@ -149,6 +149,9 @@ class TrainingJobs(dynamic.Resource):
             ("checkpoint", "checkpoints", "metrics", "history", "collectives", "job_ids")
         )
         opts = pulumi.ResourceOptions.merge(
-            opts, pulumi.ResourceOptions(custom_timeouts=pulumi.CustomTimeouts(create=f"{cfg.job.timeout_minutes * 2 + 10}m"))
+            opts,
+            pulumi.ResourceOptions(
+                custom_timeouts=pulumi.CustomTimeouts(create=f"{cfg.job.timeout_minutes * 2 + 10}m")
+            ),
         )
         super().__init__(_TrainingJobsProvider(), name, props, opts)

@@ -20,7 +20,6 @@ import socket
 import sys
 
 import ray
-
 from backend import (
     ACCELERATOR_TYPES,
     BACKENDS,
@@ -90,7 +89,12 @@ class CollectivesWorker:
         self.rank = self.worker_id * devices_per_host + self.local_rank
 
     def identity(self) -> dict:
-        return {"rank": self.rank, "worker_id": self.worker_id, "local_rank": self.local_rank, "node_ip": ray.util.get_node_ip_address()}
+        return {
+            "rank": self.rank,
+            "worker_id": self.worker_id,
+            "local_rank": self.local_rank,
+            "node_ip": ray.util.get_node_ip_address(),
+        }
 
     def rendezvous(self) -> tuple[str, int]:
         """Called on rank 0: the MASTER_ADDR/MASTER_PORT every rank will use."""
@@ -168,9 +172,7 @@ def run_check(args: argparse.Namespace) -> dict:
         raise JobInputError(
             f"the tensor-parallel width {args.hidden}x{args.expansion} must divide by the {world} workers"
         )
-    devices_per_host = (
-        CHIPS_PER_HOST * ACCELERATOR_TYPES[args.accelerator_type][1] if args.backend == "tpu" else world
-    )
+    devices_per_host = CHIPS_PER_HOST * ACCELERATOR_TYPES[args.accelerator_type][1] if args.backend == "tpu" else world
     connect_ray(world)
     handle, pg = reserve(args, world)
     try:

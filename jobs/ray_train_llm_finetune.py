@@ -46,7 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="google/gemma-4-E2B-it", help="hub id or local directory")
     p.add_argument("--tokenizer", default=None, help="hub id or local directory (default: --model)")
-    p.add_argument("--dataset", default="databricks/databricks-dolly-15k", help="hub id or a local json/jsonl/csv/parquet")
+    p.add_argument(
+        "--dataset", default="databricks/databricks-dolly-15k", help="hub id or a local json/jsonl/csv/parquet"
+    )
     p.add_argument("--split", default="train[:1024]")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=4, help="per device")

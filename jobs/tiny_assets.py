@@ -13,8 +13,30 @@ import json
 import random
 from pathlib import Path
 
-CATEGORIES = ("open_qa", "general_qa", "classification", "closed_qa", "brainstorming", "information_extraction", "summarization", "creative_writing")
-SUBJECTS = ("rivers", "volcanoes", "bread", "chess", "tides", "bees", "glaciers", "lighthouses", "comets", "orchards", "violins", "deserts")
+CATEGORIES = (
+    "open_qa",
+    "general_qa",
+    "classification",
+    "closed_qa",
+    "brainstorming",
+    "information_extraction",
+    "summarization",
+    "creative_writing",
+)
+SUBJECTS = (
+    "rivers",
+    "volcanoes",
+    "bread",
+    "chess",
+    "tides",
+    "bees",
+    "glaciers",
+    "lighthouses",
+    "comets",
+    "orchards",
+    "violins",
+    "deserts",
+)
 VERBS = ("explain", "describe", "summarise", "compare", "list facts about", "write a short note on")
 WORDS = (
     "the a of and to in is it that for on with as by from at this be are was which or an can water light "

@@ -94,5 +94,15 @@ def validate(obj: dict, schema: dict) -> list[str]:
     doc = copy.deepcopy(obj)
     # The API server owns apiVersion/kind/metadata; the CRD schema describes spec and status.
     top = {k: v for k, v in doc.items() if k not in ("apiVersion", "kind", "metadata")}
-    _walk(top, {**schema, "properties": {k: v for k, v in schema.get("properties", {}).items() if k not in ("apiVersion", "kind", "metadata")}}, "", errors)
+    _walk(
+        top,
+        {
+            **schema,
+            "properties": {
+                k: v for k, v in schema.get("properties", {}).items() if k not in ("apiVersion", "kind", "metadata")
+            },
+        },
+        "",
+        errors,
+    )
     return errors

@@ -98,7 +98,12 @@ def stack_config(stack: str, **overrides: str | None) -> dict[str, str]:
     import yaml
 
     values = yaml.safe_load((ROOT / f"Pulumi.{stack}.yaml").read_text())["config"]
-    values |= {"gcp:project": "demo-project", "gcp:region": "us-east5", "gcp:zone": "us-east5-b", "gemma-tpu:hfToken": TOKEN}
+    values |= {
+        "gcp:project": "demo-project",
+        "gcp:region": "us-east5",
+        "gcp:zone": "us-east5-b",
+        "gemma-tpu:hfToken": TOKEN,
+    }
     for key, value in overrides.items():
         full = key if ":" in key else f"gemma-tpu:{key}"
         if value is None:

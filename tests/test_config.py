@@ -56,35 +56,115 @@ def test_defaults_come_from_pulumi_yaml():
 
 
 BAD = {
-    "unknown generation": ("v6e", {"tpuGeneration": "v9"}, "gemma-tpu:tpuGeneration: 'v9' is not a known TPU generation; allowed: v6e, tpu7x"),
-    "3x3 on v6e": ("v6e", {"tpuTopology": "3x3"}, "gemma-tpu:tpuTopology: '3x3' is not a v6e multi-host topology; allowed for v6e: 4x4"),
-    "4x4 on tpu7x": ("tpu7x", {"tpuTopology": "4x4"}, "gemma-tpu:tpuTopology: '4x4' is not a tpu7x multi-host topology; allowed for tpu7x: 2x2x2"),
+    "unknown generation": (
+        "v6e",
+        {"tpuGeneration": "v9"},
+        "gemma-tpu:tpuGeneration: 'v9' is not a known TPU generation; allowed: v6e, tpu7x",
+    ),
+    "3x3 on v6e": (
+        "v6e",
+        {"tpuTopology": "3x3"},
+        "gemma-tpu:tpuTopology: '3x3' is not a v6e multi-host topology; allowed for v6e: 4x4",
+    ),
+    "4x4 on tpu7x": (
+        "tpu7x",
+        {"tpuTopology": "4x4"},
+        "gemma-tpu:tpuTopology: '4x4' is not a tpu7x multi-host topology; allowed for tpu7x: 2x2x2",
+    ),
     "4x4x": ("v6e", {"tpuTopology": "4x4x"}, "gemma-tpu:tpuTopology: '4x4x' is not a topology; allowed for v6e: 4x4"),
-    "abc": ("tpu7x", {"tpuTopology": "abc"}, "gemma-tpu:tpuTopology: 'abc' is not a topology; allowed for tpu7x: 2x2x2"),
-    "unknown mode": ("v6e", {"mode": "serverless"}, "gemma-tpu:mode: 'serverless' is not a mode; allowed: standard, autopilot"),
-    "spot with reservation": ("v6e", {"spot": "true", "reservation": "r1"}, "gemma-tpu:spot: true cannot be combined with gemma-tpu:reservation 'r1'"),
-    "bad reservation": ("v6e", {"reservation": "Not A Name"}, "gemma-tpu:reservation: 'Not A Name' must be NAME or projects/PROJECT/reservations/NAME"),
+    "abc": (
+        "tpu7x",
+        {"tpuTopology": "abc"},
+        "gemma-tpu:tpuTopology: 'abc' is not a topology; allowed for tpu7x: 2x2x2",
+    ),
+    "unknown mode": (
+        "v6e",
+        {"mode": "serverless"},
+        "gemma-tpu:mode: 'serverless' is not a mode; allowed: standard, autopilot",
+    ),
+    "spot with reservation": (
+        "v6e",
+        {"spot": "true", "reservation": "r1"},
+        "gemma-tpu:spot: true cannot be combined with gemma-tpu:reservation 'r1'",
+    ),
+    "bad reservation": (
+        "v6e",
+        {"reservation": "Not A Name"},
+        "gemma-tpu:reservation: 'Not A Name' must be NAME or projects/PROJECT/reservations/NAME",
+    ),
     "spot not boolean": ("v6e", {"spot": "yes"}, "gemma-tpu:spot: 'yes' is not boolean"),
     "missing project": ("v6e", {"gcp:project": None}, "gcp:project: not set"),
     "missing zone for standard": ("v6e", {"gcp:zone": None}, "gcp:zone: not set; standard mode makes a zonal cluster"),
-    "missing region for autopilot": ("v6e", {"mode": "autopilot", "gcp:region": None}, "gcp:region: not set; autopilot mode makes a regional cluster"),
-    "zone outside region": ("v6e", {"gcp:zone": "europe-west4-a"}, "gcp:zone: 'europe-west4-a' is not in gcp:region 'us-east5'"),
+    "missing region for autopilot": (
+        "v6e",
+        {"mode": "autopilot", "gcp:region": None},
+        "gcp:region: not set; autopilot mode makes a regional cluster",
+    ),
+    "zone outside region": (
+        "v6e",
+        {"gcp:zone": "europe-west4-a"},
+        "gcp:zone: 'europe-west4-a' is not in gcp:region 'us-east5'",
+    ),
     "missing token": ("v6e", {"hfToken": None}, "gemma-tpu:hfToken: not set; run: pulumi config set --secret hfToken"),
-    "invalid bucket": ("v6e", {"bucketName": "My_Bucket!"}, "gemma-tpu:bucketName: 'My_Bucket!' is not a valid bucket name"),
-    "google bucket": ("v6e", {"bucketName": "google-ckpt"}, "gemma-tpu:bucketName: 'google-ckpt' is not a valid bucket name"),
+    "invalid bucket": (
+        "v6e",
+        {"bucketName": "My_Bucket!"},
+        "gemma-tpu:bucketName: 'My_Bucket!' is not a valid bucket name",
+    ),
+    "google bucket": (
+        "v6e",
+        {"bucketName": "google-ckpt"},
+        "gemma-tpu:bucketName: 'google-ckpt' is not a valid bucket name",
+    ),
     "zero epochs": ("v6e", {"epochs": "0"}, "gemma-tpu:epochs: 0 must be a positive integer"),
     "negative batch": ("v6e", {"batchSize": "-2"}, "gemma-tpu:batchSize: -2 must be a positive integer"),
     "batch not integer": ("v6e", {"batchSize": "four"}, "gemma-tpu:batchSize: 'four' is not integer"),
-    "long ray cluster name": ("v6e", {"rayClusterName": "r" * 54}, f"gemma-tpu:rayClusterName: '{'r' * 54}' must be a DNS-1035 label"),
-    "ray cluster name not DNS-1035": ("v6e", {"rayClusterName": "9ray"}, "gemma-tpu:rayClusterName: '9ray' must be a DNS-1035 label"),
-    "long cluster name": ("v6e", {"clusterName": "c" * 41}, f"gemma-tpu:clusterName: '{'c' * 41}' must be a GKE cluster name"),
-    "long namespace": ("v6e", {"namespace": "n" * 64}, "gemma-tpu:namespace: '" + "n" * 64 + "' must be a DNS-1123 label"),
-    "version below ray add-on": ("v6e", {"clusterVersion": "1.29"}, "gemma-tpu:clusterVersion: '1.29' is too old for v6e on standard GKE with the Ray add-on; need 1.30.0-gke.1747000"),
-    "full version below ray add-on": ("v6e", {"clusterVersion": "1.30.0-gke.1746999"}, "need 1.30.0-gke.1747000 or newer"),
-    "ironwood standard": ("tpu7x", {"clusterVersion": "1.34.0-gke.2200000"}, "'1.34.0-gke.2200000' is too old for tpu7x on standard GKE with the Ray add-on; need 1.34.0-gke.2201000"),
-    "ironwood autopilot": ("tpu7x", {"mode": "autopilot", "clusterVersion": "1.34.0-gke.2201000"}, "is too old for tpu7x on autopilot GKE with the Ray add-on; need 1.34.1-gke.3084001"),
+    "long ray cluster name": (
+        "v6e",
+        {"rayClusterName": "r" * 54},
+        f"gemma-tpu:rayClusterName: '{'r' * 54}' must be a DNS-1035 label",
+    ),
+    "ray cluster name not DNS-1035": (
+        "v6e",
+        {"rayClusterName": "9ray"},
+        "gemma-tpu:rayClusterName: '9ray' must be a DNS-1035 label",
+    ),
+    "long cluster name": (
+        "v6e",
+        {"clusterName": "c" * 41},
+        f"gemma-tpu:clusterName: '{'c' * 41}' must be a GKE cluster name",
+    ),
+    "long namespace": (
+        "v6e",
+        {"namespace": "n" * 64},
+        "gemma-tpu:namespace: '" + "n" * 64 + "' must be a DNS-1123 label",
+    ),
+    "version below ray add-on": (
+        "v6e",
+        {"clusterVersion": "1.29"},
+        "gemma-tpu:clusterVersion: '1.29' is too old for v6e on standard GKE with the Ray add-on; need 1.30.0-gke.1747000",
+    ),
+    "full version below ray add-on": (
+        "v6e",
+        {"clusterVersion": "1.30.0-gke.1746999"},
+        "need 1.30.0-gke.1747000 or newer",
+    ),
+    "ironwood standard": (
+        "tpu7x",
+        {"clusterVersion": "1.34.0-gke.2200000"},
+        "'1.34.0-gke.2200000' is too old for tpu7x on standard GKE with the Ray add-on; need 1.34.0-gke.2201000",
+    ),
+    "ironwood autopilot": (
+        "tpu7x",
+        {"mode": "autopilot", "clusterVersion": "1.34.0-gke.2201000"},
+        "is too old for tpu7x on autopilot GKE with the Ray add-on; need 1.34.1-gke.3084001",
+    ),
     "ironwood minor": ("tpu7x", {"clusterVersion": "1.33"}, "'1.33' is too old for tpu7x"),
-    "version garbage": ("v6e", {"clusterVersion": "latest-ish"}, "gemma-tpu:clusterVersion: 'latest-ish' is not a GKE version"),
+    "version garbage": (
+        "v6e",
+        {"clusterVersion": "latest-ish"},
+        "gemma-tpu:clusterVersion: 'latest-ish' is not a GKE version",
+    ),
 }
 
 
@@ -92,13 +172,17 @@ BAD = {
 def test_bad_input_fails_before_any_resource(case):
     stack, overrides, message = BAD[case]
     with pytest.raises(ConfigError) as err:
-        run = run_program(stack, stack_config(stack, **overrides))
+        run_program(stack, stack_config(stack, **overrides))
     assert message in str(err.value)
     assert run_program.last_registered == []
 
 
 def test_good_versions_pass():
-    for stack, mode, version in [("tpu7x", "standard", "1.34.0-gke.2201000"), ("tpu7x", "autopilot", "1.34"), ("v6e", "standard", "1.30")]:
+    for stack, mode, version in [
+        ("tpu7x", "standard", "1.34.0-gke.2201000"),
+        ("tpu7x", "autopilot", "1.34"),
+        ("v6e", "standard", "1.30"),
+    ]:
         run_program(stack, stack_config(stack, mode=mode, clusterVersion=version))
 
 

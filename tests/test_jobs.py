@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from backend import RESULT_PREFIX, parse_result
 
 JOBS = Path(__file__).resolve().parent.parent / "jobs"
@@ -37,7 +36,9 @@ def test_collectives_pass_on_four_workers(ray_head):
 
 
 def test_collectives_fail_on_a_broken_reference(ray_head):
-    done = run_job(ray_head, "ray_core_collectives.py", "--backend", "cpu", "--num-workers", "4", "--reference-seed", "7")
+    done = run_job(
+        ray_head, "ray_core_collectives.py", "--backend", "cpu", "--num-workers", "4", "--reference-seed", "7"
+    )
     assert done.returncode == 1
     result = parse_result(done.stdout)
     assert result["ok"] is False and result["parity_ok"] is False and result["sums_ok"] is True
@@ -90,7 +91,9 @@ def test_finetune_resumes_without_redoing_epochs(ray_head, finetune):
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     logs = second.stdout + second.stderr
     assert "after epoch 2" in logs
-    epochs_run = {line.split('"epoch": ')[1].split(",")[0] for line in logs.splitlines() if '{"rank": 0, "epoch"' in line}
+    epochs_run = {
+        line.split('"epoch": ')[1].split(",")[0] for line in logs.splitlines() if '{"rank": 0, "epoch"' in line
+    }
     assert epochs_run == {"3"}
     result = parse_result(second.stdout)
     assert result["metrics"]["epoch"] == 3
@@ -100,7 +103,10 @@ def test_finetune_resumes_without_redoing_epochs(ray_head, finetune):
 
 BAD_INPUTS = {
     "unknown backend": (["--backend", "xla"], "--backend 'xla' is not supported; choose one of: tpu, cpu, cuda"),
-    "unknown accelerator": (["--backend", "tpu", "--accelerator-type", "TPU-V9"], "--accelerator-type 'TPU-V9' is not supported"),
+    "unknown accelerator": (
+        ["--backend", "tpu", "--accelerator-type", "TPU-V9"],
+        "--accelerator-type 'TPU-V9' is not supported",
+    ),
     "topology vs workers": (
         ["--backend", "tpu", "--topology", "4x4", "--num-workers", "8"],
         "--num-workers 8 does not match --topology 4x4 on TPU-V6E, which has 16 devices",

@@ -105,7 +105,9 @@ def test_manifest_equals_walkthrough(flavour):
 @pytest.fixture(scope="module")
 def schema():
     if not CRD_FILE.exists():
-        pytest.skip(f"KubeRay CRDs not found at {CRD_FILE} (test data in ../shared/kuberay-crds); strict validation skipped")
+        pytest.skip(
+            f"KubeRay CRDs not found at {CRD_FILE} (test data in ../shared/kuberay-crds); strict validation skipped"
+        )
     return load_schema(CRD_FILE)
 
 
@@ -113,7 +115,9 @@ MODES = ("standard", "autopilot")
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
-@pytest.mark.parametrize("extra", [{}, {"mode": "autopilot", "spot": "true"}, {"mode": "autopilot", "reservation": "r1"}])
+@pytest.mark.parametrize(
+    "extra", [{}, {"mode": "autopilot", "spot": "true"}, {"mode": "autopilot", "reservation": "r1"}]
+)
 def test_manifest_passes_strict_crd_validation(schema, flavour, extra):
     cfg = cfg_for(*("v6e", "4x4") if flavour == "v6e" else ("tpu7x", "2x2x2"), **extra)
     assert validate(ray_cluster_manifest(cfg, IMAGE), schema) == []
@@ -133,10 +137,15 @@ BROKEN = {
     ),
     "wrong type": (lambda m: m["spec"]["workerGroupSpecs"][0].update(replicas="1"), "replicas: expected integer"),
     "port as string": (
-        lambda m: m["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"][0].update(containerPort="6379"),
+        lambda m: m["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"][0].update(
+            containerPort="6379"
+        ),
         "containerPort: expected integer",
     ),
-    "missing required": (lambda m: m["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0].pop("name"), "missing required field 'name'"),
+    "missing required": (
+        lambda m: m["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0].pop("name"),
+        "missing required field 'name'",
+    ),
 }
 
 
@@ -150,7 +159,9 @@ def test_validator_bites(schema, case):
 def test_defaults_are_applied_before_required_is_checked():
     schema = {
         "type": "object",
-        "properties": {"spec": {"type": "object", "required": ["mode"], "properties": {"mode": {"type": "string", "default": "a"}}}},
+        "properties": {
+            "spec": {"type": "object", "required": ["mode"], "properties": {"mode": {"type": "string", "default": "a"}}}
+        },
     }
     assert validate({"spec": {}}, schema) == []
     del schema["properties"]["spec"]["properties"]["mode"]["default"]
