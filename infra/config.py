@@ -223,7 +223,9 @@ def parse(
     reservation = value("reservation")
     if reservation and not _RESERVATION.match(reservation):
         problems.append(f"{key('reservation')}: {reservation!r} must be NAME or projects/PROJECT/reservations/NAME")
-    if spot and reservation:
+    if local and (spot or reservation):
+        problems.append(f"{key('mode')}: 'local' runs no TPU; unset {key('spot')} and {key('reservation')} for it")
+    elif spot and reservation:
         problems.append(
             f"{key('spot')}: true cannot be combined with {key('reservation')} {reservation!r}: Spot VMs do not consume reservations; unset one"
         )

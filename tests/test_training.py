@@ -115,6 +115,19 @@ def test_gke_path_through_the_api_server_service_proxy(ray_head, tiny_assets, tm
     assert any(m == "POST" and p.endswith("/api/jobs/") for m, p, _ in proxy.requests)
 
 
+def test_ray_token_goes_in_the_header_ray_reads_behind_proxies(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    assert ray_jobs.ray_auth_headers() == {}
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("from-file\n")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert ray_jobs.ray_auth_headers() == {"X-Ray-Authorization": "Bearer from-file"}
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "from-env")
+    assert ray_jobs.ray_auth_headers() == {"X-Ray-Authorization": "Bearer from-env"}
+
+
 def test_uploaded_code_is_only_jobs():
     assert ray_jobs.JOBS_DIR.name == "jobs"
     assert "tiny_assets.py" in ray_jobs.UPLOAD_EXCLUDES
