@@ -87,7 +87,11 @@ BAD = {
         {"spot": "true", "reservation": "r1"},
         "gemma-tpu:spot: true cannot be combined with gemma-tpu:reservation 'r1'",
     ),
-    "spot in local mode": ("local", {"spot": "true"}, "gemma-tpu:mode: 'local' runs no TPU; unset gemma-tpu:spot and gemma-tpu:reservation"),
+    "spot in local mode": (
+        "local",
+        {"spot": "true"},
+        "gemma-tpu:mode: 'local' runs no TPU; unset gemma-tpu:spot and gemma-tpu:reservation",
+    ),
     "bad reservation": (
         "v6e",
         {"reservation": "Not A Name"},
