@@ -14,10 +14,9 @@ from pathlib import Path
 
 import yaml
 
-from infra import PROJECT
+from infra import PROJECT, PULUMI_YAML
 from infra.tpu import GENERATIONS, TpuSlice, is_topology
 
-PULUMI_YAML = Path(__file__).resolve().parent.parent / "Pulumi.yaml"
 ROOT = PULUMI_YAML.parent
 MODES = ("standard", "autopilot", "local")
 GKE_MODES = ("standard", "autopilot")

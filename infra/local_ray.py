@@ -56,7 +56,7 @@ class LocalRayHead:
 
     def start(self, timeout_s: float = 120) -> LocalRayHead:
         ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
-        out = open(self.log_dir / "ray-head.log", "w") if self.log_dir else subprocess.DEVNULL  # noqa: SIM115
+        out = open(self.log_dir / "ray-head.log", "w") if self.log_dir else subprocess.DEVNULL
         self.process = subprocess.Popen(
             [
                 ray_bin, "start", "--head", "--block",

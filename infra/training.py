@@ -16,6 +16,9 @@ from infra.config import StackConfig
 from infra.raycluster import DASHBOARD_PORT, head_service
 
 CHECKPOINT_PREFIX = "ray_train_torchtpu"
+OUTPUT_KEYS = ("checkpoint", "checkpoints", "metrics", "history", "collectives", "job_ids")
+# How to reach the head and how long to wait: changing them does not re-run anything.
+REACH_KEYS = ("target", "timeout_s", "poll_s")
 # Pulumi's marker for a value not known during preview.
 UNKNOWN = "04da6b54-80e4-46f7-96ec-b56ff0331ba9"
 
@@ -71,7 +74,7 @@ def diff_props(olds: dict, news: dict) -> dynamic.DiffResult:
     from infra.ray_jobs import DEFINING_KEYS
 
     replaces = [k for k in DEFINING_KEYS if has_unknowns(news.get(k)) or olds.get(k) != news.get(k)]
-    others = [k for k in ("target", "timeout_s", "poll_s") if olds.get(k) != news.get(k)]
+    others = [k for k in REACH_KEYS if olds.get(k) != news.get(k)]
     return dynamic.DiffResult(
         changes=bool(replaces or others), replaces=replaces, stables=[], delete_before_replace=bool(replaces)
     )
@@ -119,8 +122,8 @@ class _TrainingJobsProvider(dynamic.ResourceProvider):
         return diff_props(olds, news)
 
     def update(self, _id, olds, news):
-        # Only how to reach the head or how long to wait changed: the run stands.
-        return dynamic.UpdateResult(outs={**olds, **news})
+        # Only how to reach the head or how long to wait changed: the run and its outputs stand.
+        return dynamic.UpdateResult(outs={**olds, **{k: news[k] for k in REACH_KEYS}})
 
     def delete(self, _id, props):
         self._jobs().stop_active(props, props.get("job_ids", {}))
@@ -145,9 +148,8 @@ class TrainingJobs(dynamic.Resource):
         image: pulumi.Input[str],
         opts: pulumi.ResourceOptions | None = None,
     ):
-        props = training_props(cfg, target, cluster, image) | dict.fromkeys(
-            ("checkpoint", "checkpoints", "metrics", "history", "collectives", "job_ids")
-        )
+        # Outputs are declared as inputs of None so that Pulumi exposes them as attributes.
+        props = training_props(cfg, target, cluster, image) | dict.fromkeys(OUTPUT_KEYS)
         opts = pulumi.ResourceOptions.merge(
             opts,
             pulumi.ResourceOptions(

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 RESULT_PREFIX = "JOB_RESULT_JSON: "
@@ -104,6 +106,17 @@ def connect_ray(cpus_wanted: int) -> None:
 def print_result(result: dict) -> None:
     """The last line a job prints: what the job resource parses."""
     print(RESULT_PREFIX + json.dumps(result, sort_keys=True), flush=True)
+
+
+def exit_code(run: Callable[[], dict], succeeded: Callable[[dict], bool] = lambda _: True) -> int:
+    """A job's exit status: 2 for bad input (message, no traceback), 1 when its checks fail."""
+    try:
+        result = run()
+    except JobInputError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    print_result(result)
+    return 0 if succeeded(result) else 1
 
 
 def parse_result(logs: str) -> dict | None:

@@ -26,8 +26,8 @@ from backend import (
     CHIPS_PER_HOST,
     JobInputError,
     connect_ray,
+    exit_code,
     get_backend,
-    print_result,
     resolve_num_workers,
 )
 
@@ -234,13 +234,7 @@ def run_check(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        summary = run_check(args)
-    except JobInputError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
-    print_result(summary)
-    return 0 if summary["ok"] else 1
+    return exit_code(lambda: run_check(args), succeeded=lambda summary: summary["ok"])
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ from backend import (
     BACKENDS,
     JobInputError,
     connect_ray,
+    exit_code,
     get_backend,
-    print_result,
     resolve_num_workers,
 )
 
@@ -340,13 +340,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        summary = run(args)
-    except JobInputError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
-    print_result(summary)
-    return 0
+    return exit_code(lambda: run(args))
 
 
 if __name__ == "__main__":

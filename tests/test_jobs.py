@@ -76,7 +76,7 @@ def test_finetune_checkpoint_loads_with_from_pretrained(finetune, tiny_assets):
     assert checkpoint.is_dir() and checkpoint.is_relative_to(finetune["storage"] / "tiny")
     assert result["checkpoints"] == [result["checkpoint"]]
     trained, info = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, output_loading_info=True)
-    assert info["missing_keys"] == set() or not info["missing_keys"]
+    assert not info["missing_keys"]  # nothing left to random init
     assert AutoTokenizer.from_pretrained(checkpoint)("Instruction: bees")["input_ids"]
     initial = AutoModelForCausalLM.from_pretrained(tiny_assets["model"], dtype=torch.bfloat16)
     table = "model.language_model.embed_tokens_per_layer.weight"

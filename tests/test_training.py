@@ -169,8 +169,9 @@ def test_diff_ignores_provider_code_and_outputs():
 def test_diff_updates_in_place_for_reach_and_patience():
     result = diff_props(BASE, {**BASE, "timeout_s": 120, "target": {"kind": "local", "address": "b"}})
     assert result.changes is True and result.replaces == []
-    outs = _TrainingJobsProvider().update("id", {**BASE, "checkpoint": "/x"}, {**BASE, "timeout_s": 120}).outs
-    assert outs["checkpoint"] == "/x" and outs["timeout_s"] == 120
+    news = {**BASE, "timeout_s": 120, "checkpoint": None, "metrics": None}  # as the resource declares them
+    outs = _TrainingJobsProvider().update("id", {**BASE, "checkpoint": "/x", "metrics": {"loss": 1}}, news).outs
+    assert outs["checkpoint"] == "/x" and outs["metrics"] == {"loss": 1} and outs["timeout_s"] == 120
 
 
 def test_local_stack_declares_only_the_jobs():
