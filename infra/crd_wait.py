@@ -7,12 +7,12 @@ resource sits between the cluster and the RayCluster so the first `up` does not 
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pulumi
 import pulumi.dynamic as dynamic
+
+from infra import kube_api
 
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
 
@@ -43,16 +43,12 @@ def wait_for_crd(api, name: str, timeout_s: float, poll_s: float = 10, log=print
 
 
 class _CrdEstablishedProvider(dynamic.ResourceProvider):
-    def __init__(self):
-        # The provider is serialized by value; project modules are imported from here at run time.
-        self.root = str(Path(__file__).resolve().parent.parent)
+    # Pulumi pickles this class by reference: its host imports `infra` from the project directory.
 
     def _wait(self, props: dict) -> dict:
-        sys.path.insert(0, self.root)
-        from infra import kube_api
-
-        api = kube_api.for_gke(props["endpoint"], props["ca_certificate"])
-        wait_for_crd(api, props["crd"], float(props["timeout_s"]))
+        wait_for_crd(
+            kube_api.for_gke(props["endpoint"], props["ca_certificate"]), props["crd"], float(props["timeout_s"])
+        )
         return props
 
     def create(self, props):

@@ -6,12 +6,11 @@ Ray credentials are read where it runs, when it runs.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pulumi
 import pulumi.dynamic as dynamic
+from pulumi.runtime.rpc import UNKNOWN  # how the dynamic host hands over values unknown in preview
 
+from infra import ray_jobs
 from infra.config import StackConfig
 from infra.raycluster import DASHBOARD_PORT, head_service
 
@@ -19,8 +18,6 @@ CHECKPOINT_PREFIX = "ray_train_torchtpu"
 OUTPUT_KEYS = ("checkpoint", "checkpoints", "metrics", "history", "collectives", "job_ids")
 # How to reach the head and how long to wait: changing them does not re-run anything.
 REACH_KEYS = ("target", "timeout_s", "poll_s")
-# Pulumi's marker for a value not known during preview.
-UNKNOWN = "04da6b54-80e4-46f7-96ec-b56ff0331ba9"
 
 
 def training_settings(cfg: StackConfig) -> dict:
@@ -71,9 +68,7 @@ def has_unknowns(value) -> bool:
 
 def diff_props(olds: dict, news: dict) -> dynamic.DiffResult:
     """Replace when what defines the run changed (or may have, during preview); else nothing to do."""
-    from infra.ray_jobs import DEFINING_KEYS
-
-    replaces = [k for k in DEFINING_KEYS if has_unknowns(news.get(k)) or olds.get(k) != news.get(k)]
+    replaces = [k for k in ray_jobs.DEFINING_KEYS if has_unknowns(news.get(k)) or olds.get(k) != news.get(k)]
     others = [k for k in REACH_KEYS if olds.get(k) != news.get(k)]
     return dynamic.DiffResult(
         changes=bool(replaces or others), replaces=replaces, stables=[], delete_before_replace=bool(replaces)
@@ -82,13 +77,11 @@ def diff_props(olds: dict, news: dict) -> dynamic.DiffResult:
 
 def training_props(cfg: StackConfig, target: dict, cluster: pulumi.Input[str], image: pulumi.Input[str]) -> dict:
     """The resource's inputs; `make local` builds the same and calls the provider with them."""
-    from infra.ray_jobs import jobs_code_hash
-
     return {
         "stack": cfg.stack,
         "cluster": cluster,
         "image": image,
-        "code": jobs_code_hash(),
+        "code": ray_jobs.jobs_code_hash(),
         "settings": training_settings(cfg),
         "target": target,
         "timeout_s": cfg.job.timeout_minutes * 60,
@@ -101,24 +94,13 @@ def local_target(address: str) -> dict:
 
 
 class _TrainingJobsProvider(dynamic.ResourceProvider):
-    def __init__(self):
-        # Serialized by value into the state; project modules are imported from the checkout.
-        self.root = str(Path(__file__).resolve().parent.parent)
-
-    def _jobs(self):
-        if self.root not in sys.path:
-            sys.path.insert(0, self.root)
-        from infra import ray_jobs
-
-        return ray_jobs
+    # Pulumi pickles this class by reference: its host imports `infra` from the project directory.
 
     def create(self, props: dict) -> dynamic.CreateResult:
-        outputs = self._jobs().run_pipeline(props)
+        outputs = ray_jobs.run_pipeline(props)
         return dynamic.CreateResult(id_=outputs["job_ids"]["finetune"], outs={**props, **outputs})
 
     def diff(self, _id, olds, news):
-        if self.root not in sys.path:
-            sys.path.insert(0, self.root)
         return diff_props(olds, news)
 
     def update(self, _id, olds, news):
@@ -126,7 +108,7 @@ class _TrainingJobsProvider(dynamic.ResourceProvider):
         return dynamic.UpdateResult(outs={**olds, **{k: news[k] for k in REACH_KEYS}})
 
     def delete(self, _id, props):
-        self._jobs().stop_active(props, props.get("job_ids", {}))
+        ray_jobs.stop_active(props, props.get("job_ids", {}))
 
 
 class TrainingJobs(dynamic.Resource):

@@ -185,3 +185,27 @@ def test_local_stack_declares_only_the_jobs():
     assert training["settings"]["model"].endswith("/.local/assets/model")
     assert training["target"] == {"kind": "local", "address": "http://127.0.0.1:8265"}
     assert "checkpoint" in run.outputs
+
+
+@pytest.mark.parametrize("provider", ["infra.training:_TrainingJobsProvider", "infra.crd_wait:_CrdEstablishedProvider"])
+def test_serialized_provider_loads_in_a_fresh_host(provider):
+    """Pickled as Pulumi stores it; loaded as its provider host does: a new interpreter in the project directory."""
+    import importlib
+    import subprocess
+    import sys
+
+    from pulumi.dynamic.dynamic import serialize_provider
+
+    from infra.config import ROOT
+
+    module, name = provider.split(":")
+    blob = serialize_provider(getattr(importlib.import_module(module), name)())
+    load = f"import base64, dill; p = dill.loads(base64.b64decode({blob!r})); print(type(p).__name__, hasattr(p, 'create'))"
+    # `python -m pulumi.dynamic` puts the working directory first on sys.path
+    host = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, ''); {load}"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert host.returncode == 0, host.stderr[-2000:]
+    assert host.stdout.split() == [name, "True"]
+    elsewhere = subprocess.run([sys.executable, "-c", load], cwd="/", capture_output=True, text=True)
+    assert elsewhere.returncode != 0 and "No module named 'infra'" in elsewhere.stderr  # the check bites
