@@ -13,6 +13,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+# The jobs travel alone (only jobs/ is uploaded), so these few facts are restated here;
+# tests/test_config.py checks them against infra/tpu.py and infra/ray_jobs.py.
 RESULT_PREFIX = "JOB_RESULT_JSON: "
 CHIPS_PER_HOST = 4
 # Ray accelerator type -> (Ray's accelerator version, logical devices per chip)
@@ -117,8 +119,3 @@ def exit_code(run: Callable[[], dict], succeeded: Callable[[dict], bool] = lambd
         return 2
     print_result(result)
     return 0 if succeeded(result) else 1
-
-
-def parse_result(logs: str) -> dict | None:
-    lines = [line for line in logs.splitlines() if line.startswith(RESULT_PREFIX)]
-    return json.loads(lines[-1][len(RESULT_PREFIX) :]) if lines else None

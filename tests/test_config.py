@@ -47,6 +47,19 @@ def test_derived_values(generation, topology):
         assert tpu.generation.ray_accelerator_type == "TPU-V6E"
 
 
+def test_jobs_restate_the_table_faithfully():
+    import backend
+
+    from infra import ray_jobs
+
+    assert backend.RESULT_PREFIX == ray_jobs.RESULT_PREFIX
+    for generation in GENERATIONS.values():
+        assert generation.chips_per_host == backend.CHIPS_PER_HOST
+        assert backend.ACCELERATOR_TYPES[generation.ray_accelerator_type][1] == generation.devices_per_chip
+        tpu = TpuSlice(generation, generation.topologies[0])
+        assert backend.tpu_devices(tpu.topology, generation.ray_accelerator_type) == tpu.devices
+
+
 def test_defaults_come_from_pulumi_yaml():
     cfg = config.parse({}, stack="v6e", project="p", region=None, zone="us-east5-b", has_token=True)
     assert cfg.region == "us-east5"  # derived from the zone

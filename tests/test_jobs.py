@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from backend import RESULT_PREFIX, parse_result
+from backend import RESULT_PREFIX
+
+from infra.ray_jobs import parse_result
 
 JOBS = Path(__file__).resolve().parent.parent / "jobs"
 
