@@ -20,7 +20,6 @@ from infra.tpu import GENERATIONS, TpuSlice, is_topology
 ROOT = PULUMI_YAML.parent
 MODES = ("standard", "autopilot", "local")
 GKE_MODES = ("standard", "autopilot")
-SECRET_KEYS = ("hfToken",)
 
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -60,8 +59,8 @@ class JobSettings:
 @dataclass(frozen=True)
 class StackConfig:
     stack: str
-    project: str
-    region: str
+    project: str | None  # None in local mode only
+    region: str | None
     zone: str | None
     mode: str
     slice: TpuSlice
@@ -79,8 +78,7 @@ class StackConfig:
     namespace: str
     service_account: str
     job: JobSettings
-
-    ray_address: str
+    ray_address: str  # local mode only
 
     @property
     def local(self) -> bool:
@@ -108,6 +106,10 @@ class StackConfig:
 def declared_keys() -> dict[str, dict]:
     """The project's config keys as Pulumi.yaml declares them (type, default, description)."""
     return yaml.safe_load(PULUMI_YAML.read_text())["config"]
+
+
+def secret_keys() -> list[str]:
+    return [name for name, decl in declared_keys().items() if decl.get("secret")]
 
 
 def _local_path(ref: str) -> str:
@@ -250,9 +252,7 @@ def parse(
     repository = name_check("repositoryName", _DNS_1035, 63, "an Artifact Registry repository id")
     image_name = name_check("imageName", _DNS_1123, 128, "an image name")
 
-    bucket = value("bucketName") or (f"{project}-{stack}-checkpoints" if project else "")
-    if local:
-        bucket = value("bucketName")
+    bucket = value("bucketName") or (f"{project}-{stack}-checkpoints" if project and not local else "")
     if bucket and (not _BUCKET.match(bucket) or ".." in bucket or bucket.startswith("goog") or "google" in bucket):
         problems.append(
             f"{key('bucketName')}: {bucket!r} is not a valid bucket name (3-63 of a-z 0-9 - _ ., "
@@ -316,7 +316,7 @@ def load() -> tuple[StackConfig, object]:
     import pulumi
 
     cfg, gcp = pulumi.Config(PROJECT), pulumi.Config("gcp")
-    raw = {name: cfg.get(name) for name in declared_keys() if name not in SECRET_KEYS}
+    raw = {name: cfg.get(name) for name in declared_keys() if name not in secret_keys()}
     token = cfg.get_secret("hfToken")
     stack_config = parse(
         raw,

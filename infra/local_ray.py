@@ -24,6 +24,7 @@ def free_port() -> int:
 
 
 class LocalRayHead:
+    # 4 CPUs: the collectives check's default of 4 workers, one CPU bundle each.
     def __init__(self, num_cpus: int = 4, log_dir: Path | None = None, env: dict[str, str] | None = None):
         self.num_cpus = num_cpus
         self.port, self.dashboard_port = free_port(), free_port()

@@ -41,7 +41,7 @@ def main() -> None:
     logs = ROOT / ".local" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"starting a Ray head on 127.0.0.1 (log: {logs / 'ray-head.log'})", flush=True)
-    with LocalRayHead(num_cpus=4, log_dir=logs) as head:
+    with LocalRayHead(log_dir=logs) as head:
         print(f"Ray dashboard: {head.dashboard_url}", flush=True)
         props = training_props(cfg, local_target(head.dashboard_url), cluster="local", image="local")
         outputs = _TrainingJobsProvider().create(props).outs

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from infra.kube_api import google_access_token
+
 JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
 UPLOAD_EXCLUDES = ["__pycache__", "*.pyc", "tiny_assets.py"]
 ACTIVE, DONE, BROKEN = {"PENDING", "RUNNING"}, "SUCCEEDED", {"FAILED", "STOPPED"}
@@ -111,13 +113,7 @@ def service_proxy_address(api_server: str, namespace: str, service: str, port: i
     return f"{api_server.rstrip('/')}/api/v1/namespaces/{namespace}/services/{service}:{port}/proxy"
 
 
-def google_token() -> str:
-    from infra import kube_api
-
-    return kube_api.google_access_token()
-
-
-def connect(target: dict, token_source: Callable[[], str] = google_token):
+def connect(target: dict, token_source: Callable[[], str] = google_access_token):
     """A JobSubmissionClient: {"kind": "local", "address"}, or {"kind": "gke", ...} via the API server."""
     import base64
 
@@ -213,7 +209,7 @@ def wait(client, spec: JobSpec, submission_id: str, timeout_s: float, poll_s: fl
 # ---- the pipeline ---------------------------------------------------------------------------------
 
 
-def run_pipeline(props: dict, log: Log = default_log, token_source: Callable[[], str] = google_token) -> dict:
+def run_pipeline(props: dict, log: Log = default_log, token_source: Callable[[], str] = google_access_token) -> dict:
     """Collectives check, and only if it passes the fine-tune; returns the resource's outputs."""
     client = connect(props["target"], token_source)
     runtime_env = {"working_dir": str(JOBS_DIR), "excludes": UPLOAD_EXCLUDES}
@@ -237,7 +233,7 @@ def run_pipeline(props: dict, log: Log = default_log, token_source: Callable[[],
 
 
 def stop_active(
-    props: dict, job_ids: dict, log: Log = default_log, token_source: Callable[[], str] = google_token
+    props: dict, job_ids: dict, log: Log = default_log, token_source: Callable[[], str] = google_access_token
 ) -> list[str]:
     """Stop what is still running; checkpoints stay where they are."""
     client = connect(props["target"], token_source)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pulumi
 import pulumi.dynamic as dynamic
-from pulumi.runtime.rpc import UNKNOWN  # how the dynamic host hands over values unknown in preview
 
 from infra import ray_jobs
 from infra.config import StackConfig
@@ -58,17 +57,13 @@ def gke_target(cfg: StackConfig, endpoint: pulumi.Input[str], ca_certificate: pu
     }
 
 
-def has_unknowns(value) -> bool:
-    if isinstance(value, dict):
-        return any(has_unknowns(v) for v in value.values())
-    if isinstance(value, list):
-        return any(has_unknowns(v) for v in value)
-    return value == UNKNOWN
-
-
 def diff_props(olds: dict, news: dict) -> dynamic.DiffResult:
-    """Replace when what defines the run changed (or may have, during preview); else nothing to do."""
-    replaces = [k for k in ray_jobs.DEFINING_KEYS if has_unknowns(news.get(k)) or olds.get(k) != news.get(k)]
+    """Replace when what defines the run changed; else nothing to do.
+
+    In preview an input not known yet arrives as Pulumi's UNKNOWN marker, which never equals
+    the recorded value, so the plan shows the replacement that may come.
+    """
+    replaces = [k for k in ray_jobs.DEFINING_KEYS if olds.get(k) != news.get(k)]
     others = [k for k in REACH_KEYS if olds.get(k) != news.get(k)]
     return dynamic.DiffResult(
         changes=bool(replaces or others), replaces=replaces, stables=[], delete_before_replace=bool(replaces)

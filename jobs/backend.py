@@ -35,18 +35,19 @@ class Backend:
         import torch
 
         if self.name == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
+            # Workers on one node may all see every GPU: each takes the one of its local rank.
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         # Ray gives each TPU worker exactly one device, so it is always index 0 in-process.
         return torch.device(self.device_type)
 
     def prepare(self) -> None:
-        """Per-process setup before the process group starts."""
+        """Per-process setup, before the first collective."""
         if self.name == "tpu":
             import torch_tpu  # noqa: F401  (registers the tpu device and the tpu_dist backend)
         elif self.name == "cuda":
             import torch
 
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.device())
 
 
 BACKENDS = {

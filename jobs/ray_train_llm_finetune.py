@@ -178,6 +178,7 @@ def train_loop_per_worker(config: dict) -> None:
     from transformers import AutoTokenizer
 
     backend = get_backend(config["backend"])
+    backend.prepare()
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = backend.device()

@@ -12,7 +12,7 @@ def ray_head(tmp_path_factory):
     """One real Ray head on 127.0.0.1 shared by every test that runs jobs."""
     from infra.local_ray import LocalRayHead
 
-    with LocalRayHead(num_cpus=4, log_dir=tmp_path_factory.mktemp("ray")) as head:
+    with LocalRayHead(log_dir=tmp_path_factory.mktemp("ray")) as head:
         yield head
 
 

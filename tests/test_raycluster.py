@@ -111,9 +111,6 @@ def schema():
     return load_schema(CRD_FILE)
 
 
-MODES = ("standard", "autopilot")
-
-
 @pytest.mark.parametrize("flavour", FLAVOURS)
 @pytest.mark.parametrize(
     "extra", [{}, {"mode": "autopilot", "spot": "true"}, {"mode": "autopilot", "reservation": "r1"}]

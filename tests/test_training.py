@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
+from pulumi.runtime.rpc import UNKNOWN
 from ray.exceptions import AuthenticationError
 
 from infra import ray_jobs
 from infra.config import parse
-from infra.training import UNKNOWN, _TrainingJobsProvider, diff_props, local_target, training_props
+from infra.training import _TrainingJobsProvider, diff_props, local_target, training_props
 from tests.apiserver_standin import ServiceProxyStandin
 from tests.stack_harness import run_program, stack_config
 
@@ -54,7 +56,7 @@ def test_create_runs_both_jobs_and_a_second_create_attaches(ray_head, tiny_asset
     assert (a["checkpoint"], a["job_ids"], a["metrics"]) == (b["checkpoint"], b["job_ids"], b["metrics"])
     assert a["collectives"]["ok"] is True and a["collectives"]["world_size"] == 4
     assert a["metrics"]["epoch"] == 1 and a["checkpoints"] == [a["checkpoint"]]
-    assert (tmp_path / a["checkpoint"].split(str(tmp_path) + "/", 1)[1] / "model.safetensors").exists()
+    assert Path(a["checkpoint"]).is_relative_to(tmp_path) and (Path(a["checkpoint"]) / "model.safetensors").exists()
     assert set(a["job_ids"]) == {"collectives", "finetune"}
 
 
@@ -128,9 +130,17 @@ def test_ray_token_goes_in_the_header_ray_reads_behind_proxies(monkeypatch, tmp_
     assert ray_jobs.ray_auth_headers() == {"X-Ray-Authorization": "Bearer from-env"}
 
 
-def test_uploaded_code_is_only_jobs():
-    assert ray_jobs.JOBS_DIR.name == "jobs"
-    assert "tiny_assets.py" in ray_jobs.UPLOAD_EXCLUDES
+def test_code_hash_follows_the_uploaded_job_code(tmp_path):
+    import shutil
+
+    jobs = tmp_path / "jobs"
+    shutil.copytree(ray_jobs.JOBS_DIR, jobs, ignore=shutil.ignore_patterns("__pycache__"))
+    before = ray_jobs.jobs_code_hash(jobs)
+    (jobs / "tiny_assets.py").write_text("# not uploaded, so not part of a run's definition\n")
+    assert ray_jobs.jobs_code_hash(jobs) == before
+    with (jobs / "backend.py").open("a") as f:
+        f.write("# an edit\n")
+    assert ray_jobs.jobs_code_hash(jobs) != before
 
 
 BASE = {
@@ -153,6 +163,7 @@ BASE = {
         ({"image": "i@sha256:2"}, ["image"]),
         ({"settings": UNKNOWN}, ["settings"]),
         ({"image": UNKNOWN, "cluster": UNKNOWN}, ["cluster", "image"]),
+        ({"settings": {"epochs": UNKNOWN}}, ["settings"]),
     ],
 )
 def test_diff_replaces_when_what_defines_the_run_changes(change, replaces):
