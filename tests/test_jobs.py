@@ -146,3 +146,27 @@ def test_finetune_bad_inputs_fail_fast(tiny_assets, tmp_path, capsys):
     for extra, message in cases:
         assert ft.main(base + extra) == 2, extra
         assert message in capsys.readouterr().err, extra
+
+
+def test_fsdp_shards_the_mlps_and_root_but_not_the_frozen_table(tiny_assets, tmp_path):
+    """apply_fsdp on a one-rank gloo group: which parameters became DTensors, and in which dtypes."""
+    import ray_train_llm_finetune as ft
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model = ft.load_model(tiny_assets["model"])
+        table = ft.freeze_per_layer_embeddings(model)
+        ft.apply_fsdp(model, init_device_mesh("cpu", (1,)), ignored={table})
+        params = dict(model.named_parameters())
+        name = "model.language_model.embed_tokens_per_layer.weight"
+        assert not isinstance(params[name], DTensor) and params[name].dtype == torch.bfloat16
+        assert not params[name].requires_grad
+        assert all(isinstance(p, DTensor) for n, p in params.items() if n != name)
+        mlp_state = ft.language_model(model).layers[0].mlp._get_fsdp_state()
+        policy = mlp_state._mp_policy
+        assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    finally:
+        dist.destroy_process_group()
