@@ -76,11 +76,9 @@ def tpu_node_config(cfg: StackConfig) -> dict:
 
 
 def tpu_pool_args(cfg: StackConfig, cluster_name: pulumi.Input[str], policy_name: pulumi.Input[str] | None) -> dict:
-    placement = {"type": "COMPACT"}
+    placement = {"type": cfg.slice.generation.placement_type, "tpu_topology": cfg.slice.topology}
     if cfg.slice.generation.uses_workload_policy:
         placement["policy_name"] = policy_name
-    else:
-        placement["tpu_topology"] = cfg.slice.topology
     return {
         "name": TPU_POOL_NAME,
         "project": cfg.project,

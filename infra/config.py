@@ -1,12 +1,16 @@
 """The stack's settings: read once, validated once, frozen, before any resource exists.
 
 Keys, types and defaults live in Pulumi.yaml's `config:` block (so `pulumi config`
-documents them); this module reads that block instead of repeating it.
+documents them); this module reads that block instead of repeating it. `parse` runs one
+checker per concern (mode and place, TPU, names, jobs); each adds what it finds wrong to
+one list, so every problem is reported together.
 """
 
 from __future__ import annotations
 
+import math
 import re
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import cache
@@ -30,6 +34,25 @@ _VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+)-gke\.(\d+))?$")
 _RESERVATION = re.compile(
     r"^(?:projects/([a-z][-a-z0-9]{4,28}[a-z0-9])/reservations/)?([a-z]([-a-z0-9]{0,61}[a-z0-9])?)$"
 )
+# GCE machine types: family-kind-size words (n2-standard-8, c3-highmem-4-lssd, n1-custom-4-8192).
+_MACHINE_TYPE = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+){1,4}$")
+# A hub id (org/name, as the Hugging Face hub spells them) or a path: no whitespace, control
+# characters or shell syntax, which no repository or file the jobs load can contain.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+_PATH = re.compile(r"^(~|\.{1,2})?/?[A-Za-z0-9._+@=,-]+(/[A-Za-z0-9._+@=,-]+)*/?$")
+# The `datasets` split grammar: train, train[:1024], train[10%:], train+test (each part sliced or not).
+_SPLIT_PART = r"[A-Za-z0-9_]+(\[(-?\d+%?)?:(-?\d+%?)?\])?"
+_SPLIT = re.compile(rf"^{_SPLIT_PART}(\+{_SPLIT_PART})*$")
+
+# Upper bounds, each with why: values past them cannot be what a user meant.
+JOB_LIMITS = {
+    "epochs": (1000, "more epochs than any fine-tune of this size needs"),
+    "batchSize": (1024, "per device; a TPU device's memory holds far fewer Gemma 4 sequences"),
+    "seqLen": (131072, "Gemma 4's longest context"),
+    "jobTimeoutMinutes": (10080, "a week; the job resource waits this long, twice, for its jobs"),
+    "collectivesWorkers": (256, "local mode runs one CPU process per worker"),
+    "finetuneWorkers": (256, "local mode runs one CPU process per worker"),
+}
 
 
 class ConfigError(ValueError):
@@ -95,11 +118,11 @@ class StackConfig:
 
     @property
     def reservation_project(self) -> str | None:
-        return _RESERVATION.match(self.reservation).group(1) if self.reservation else None
+        return _RESERVATION.fullmatch(self.reservation).group(1) if self.reservation else None
 
     @property
     def reservation_name(self) -> str | None:
-        return _RESERVATION.match(self.reservation).group(2) if self.reservation else None
+        return _RESERVATION.fullmatch(self.reservation).group(2) if self.reservation else None
 
 
 @cache
@@ -122,7 +145,7 @@ def key(name: str) -> str:
 
 
 def parse_version(text: str) -> tuple[int, ...] | None:
-    m = _VERSION.match(text)
+    m = _VERSION.fullmatch(text)
     return tuple(int(g) for g in m.groups() if g is not None) if m else None
 
 
@@ -130,6 +153,204 @@ def version_at_least(version: str, minimum: str) -> bool:
     """MAJOR.MINOR means GKE's current patch of that minor, so only the minor is compared."""
     have, need = parse_version(version), parse_version(minimum)
     return have[:2] >= need[:2] if len(have) == 2 else have >= need
+
+
+def is_model_ref(text: str) -> bool:
+    """A hub id (`org/name`) or a path; whitespace, control characters and shell syntax never are."""
+    return bool(_HUB_ID.fullmatch(text) or _PATH.fullmatch(text))
+
+
+def is_split(text: str) -> bool:
+    return bool(_SPLIT.fullmatch(text))
+
+
+def is_http_url(text: str) -> bool:
+    try:
+        url = urllib.parse.urlsplit(text)
+        url.port  # noqa: B018  (raises on a port that is not a number in range)
+    except ValueError:
+        return False
+    host_ok = bool(url.hostname) and re.fullmatch(r"[A-Za-z0-9.:-]+", url.hostname) is not None
+    return url.scheme in ("http", "https") and host_ok and url.path in ("", "/") and not url.query
+
+
+class _Reader:
+    """Raw config strings, the declared defaults, and the problems found so far."""
+
+    def __init__(self, raw: Mapping[str, str | None]):
+        self.raw, self.decl, self.problems = raw, declared_keys(), []
+
+    def problem(self, message: str) -> None:
+        self.problems.append(message)
+
+    def value(self, name: str) -> str:
+        v = self.raw.get(name)
+        if v is None:
+            default = self.decl[name].get("default")
+            return "" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
+        return str(v)
+
+    def typed(self, name: str, cast: Callable[[str], object]):
+        text = self.value(name)
+        try:
+            return cast(text)
+        except ValueError:
+            self.problem(f"{key(name)}: {text!r} is not {self.decl[name]['type']}")
+            return None
+
+    def boolean(self, name: str) -> bool:
+        def cast(text: str) -> bool:
+            if text.lower() not in ("true", "false"):
+                raise ValueError(text)
+            return text.lower() == "true"
+
+        return bool(self.typed(name, cast))
+
+    def positive(self, name: str) -> int:
+        n = self.typed(name, int)
+        limit, why = JOB_LIMITS.get(name, (None, ""))
+        if n is not None and n <= 0:
+            self.problem(f"{key(name)}: {n} must be a positive integer")
+        elif n is not None and limit is not None and n > limit:
+            self.problem(f"{key(name)}: {n} is more than {limit} ({why})")
+        return n or 0
+
+    def name(self, name: str, pattern: re.Pattern, limit: int, what: str) -> str:
+        text = self.value(name)
+        if len(text) > limit or not pattern.fullmatch(text):
+            self.problem(f"{key(name)}: {text!r} must be {what} of at most {limit} characters")
+        return text
+
+
+def _mode(r: _Reader) -> str:
+    mode = r.value("mode")
+    if mode not in MODES:
+        r.problem(f"{key('mode')}: {mode!r} is not a mode; allowed: {', '.join(MODES)}")
+    return mode
+
+
+def _tpu_slice(r: _Reader) -> TpuSlice | None:
+    gen_name, topology = r.value("tpuGeneration"), r.value("tpuTopology")
+    generation = GENERATIONS.get(gen_name)
+    if generation is None:
+        r.problem(
+            f"{key('tpuGeneration')}: {gen_name!r} is not a known TPU generation; allowed: {', '.join(GENERATIONS)}"
+        )
+        return None
+    if topology not in generation.topologies:
+        why = "is not a topology" if not is_topology(topology) else f"is not a {gen_name} multi-host topology"
+        r.problem(
+            f"{key('tpuTopology')}: {topology!r} {why}; allowed for {gen_name}: {', '.join(generation.topologies)}"
+        )
+        return None
+    return TpuSlice(generation, topology)
+
+
+def _place(r: _Reader, mode: str, project: str | None, region: str | None, zone: str | None) -> str | None:
+    """Checks project, region and zone for the mode; returns the region (derived from the zone if unset)."""
+    local = mode == "local"
+    if not project and not local:
+        r.problem("gcp:project: not set; run: pulumi config set gcp:project PROJECT_ID")
+    if region and not _REGION.fullmatch(region):
+        r.problem(f"gcp:region: {region!r} is not a region name such as us-east5")
+        region = None
+    zone_match = _ZONE.fullmatch(zone) if zone else None
+    if zone and not zone_match:
+        r.problem(f"gcp:zone: {zone!r} is not a zone name such as us-east5-b")
+    if mode == "standard":
+        if not zone:
+            r.problem("gcp:zone: not set; standard mode makes a zonal cluster: pulumi config set gcp:zone ZONE")
+        elif zone_match:
+            if region and zone_match.group(1) != region:
+                r.problem(f"gcp:zone: {zone!r} is not in gcp:region {region!r}")
+            region = region or zone_match.group(1)
+    elif mode == "autopilot" and not region:
+        r.problem("gcp:region: not set; autopilot mode makes a regional cluster: pulumi config set gcp:region REGION")
+    return region
+
+
+def _capacity(r: _Reader, mode: str) -> tuple[bool, str]:
+    """Spot or a reservation (or neither); returns (spot, reservation)."""
+    spot = r.boolean("spot")
+    reservation = r.value("reservation")
+    if reservation and not _RESERVATION.fullmatch(reservation):
+        r.problem(f"{key('reservation')}: {reservation!r} must be NAME or projects/PROJECT/reservations/NAME")
+    if mode == "local" and (spot or reservation):
+        r.problem(f"{key('mode')}: 'local' runs no TPU; unset {key('spot')} and {key('reservation')} for it")
+    elif spot and reservation:
+        r.problem(
+            f"{key('spot')}: true cannot be combined with {key('reservation')} {reservation!r}: Spot VMs do not consume reservations; unset one"
+        )
+    return spot, reservation
+
+
+def _cluster_version(r: _Reader, mode: str, tpu_slice: TpuSlice | None) -> str:
+    version = r.value("clusterVersion")
+    if parse_version(version) is None:
+        r.problem(f"{key('clusterVersion')}: {version!r} is not a GKE version; use MAJOR.MINOR (1.36) or 1.36.X-gke.N")
+    elif tpu_slice is not None and mode in GKE_MODES:
+        generation = tpu_slice.generation
+        minimum = generation.min_gke_autopilot if mode == "autopilot" else generation.min_gke_standard
+        if not version_at_least(version, minimum):
+            r.problem(
+                f"{key('clusterVersion')}: {version!r} is too old for {generation.name} on {mode} GKE with the Ray add-on; need {minimum} or newer"
+            )
+    return version
+
+
+def _bucket(r: _Reader, stack: str, project: str | None, local: bool) -> str:
+    bucket = r.value("bucketName") or (f"{project}-{stack}-checkpoints" if project and not local else "")
+    if bucket and (not _BUCKET.fullmatch(bucket) or ".." in bucket or bucket.startswith("goog") or "google" in bucket):
+        r.problem(
+            f"{key('bucketName')}: {bucket!r} is not a valid bucket name (3-63 of a-z 0-9 - _ ., "
+            "starting and ending with a letter or digit, no 'goog' prefix or 'google')"
+        )
+    return bucket
+
+
+def _learning_rate(r: _Reader) -> float:
+    text = r.value("learningRate")
+    rate = r.typed("learningRate", float)
+    if rate is not None and not (math.isfinite(rate) and 0 < rate <= 1):
+        r.problem(f"{key('learningRate')}: {text!r} must be a finite number greater than 0 and at most 1")
+        return 0.0
+    return rate or 0.0
+
+
+def _job(r: _Reader, local: bool) -> JobSettings:
+    for name in ("model", "dataset"):
+        text = r.value(name)
+        if not is_model_ref(text):
+            r.problem(
+                f"{key(name)}: {text!r} must be a hub id (org/name) or a path, without whitespace, "
+                "control characters or shell syntax"
+            )
+    split = r.value("datasetSplit")
+    if not is_split(split):
+        r.problem(
+            f"{key('datasetSplit')}: {split!r} is not a split expression such as train, train[:1024], "
+            "train[10%:] or train+test"
+        )
+    job = JobSettings(
+        model=r.value("model"),
+        dataset=r.value("dataset"),
+        dataset_split=split,
+        epochs=r.positive("epochs"),
+        batch_size=r.positive("batchSize"),
+        seq_len=r.positive("seqLen"),
+        learning_rate=_learning_rate(r),
+        timeout_minutes=r.positive("jobTimeoutMinutes"),
+        collectives_workers=r.positive("collectivesWorkers"),
+        finetune_workers=r.positive("finetuneWorkers"),
+        local_storage_path=str(ROOT / r.value("localStoragePath")),
+    )
+    if local:
+        # The local stack names files of this checkout; the jobs run elsewhere, so make them absolute.
+        job = replace(job, model=_local_path(job.model), dataset=_local_path(job.dataset))
+        address = r.value("rayAddress")
+        if not is_http_url(address):
+            r.problem(f"{key('rayAddress')}: {address!r} must be a Ray dashboard URL such as http://127.0.0.1:8265")
+    return job
 
 
 def parse(
@@ -142,150 +363,32 @@ def parse(
     has_token: bool,
 ) -> StackConfig:
     """Turn raw config strings into a StackConfig, or raise ConfigError naming every bad value."""
-    problems: list[str] = []
-    decl = declared_keys()
-
-    def value(name: str) -> str:
-        v = raw.get(name)
-        if v is None:
-            default = decl[name].get("default")
-            return "" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
-        return str(v)
-
-    def typed(name: str, cast: Callable[[str], object]):
-        text = value(name)
-        try:
-            return cast(text)
-        except ValueError:
-            problems.append(f"{key(name)}: {text!r} is not {decl[name]['type']}")
-            return None
-
-    def boolean(text: str) -> bool:
-        if text.lower() not in ("true", "false"):
-            raise ValueError(text)
-        return text.lower() == "true"
-
-    def positive(name: str) -> int:
-        n = typed(name, int)
-        if n is not None and n <= 0:
-            problems.append(f"{key(name)}: {n} must be a positive integer")
-        return n or 0
-
-    def name_check(name: str, pattern: re.Pattern, limit: int, what: str) -> str:
-        text = value(name)
-        if len(text) > limit or not pattern.match(text):
-            problems.append(f"{key(name)}: {text!r} must be {what} of at most {limit} characters")
-        return text
-
-    mode = value("mode")
-    if mode not in MODES:
-        problems.append(f"{key('mode')}: {mode!r} is not a mode; allowed: {', '.join(MODES)}")
-
-    gen_name, topology = value("tpuGeneration"), value("tpuTopology")
-    generation = GENERATIONS.get(gen_name)
-    tpu_slice = None
-    if generation is None:
-        problems.append(
-            f"{key('tpuGeneration')}: {gen_name!r} is not a known TPU generation; allowed: {', '.join(GENERATIONS)}"
-        )
-    elif topology not in generation.topologies:
-        why = "is not a topology" if not is_topology(topology) else f"is not a {gen_name} multi-host topology"
-        problems.append(
-            f"{key('tpuTopology')}: {topology!r} {why}; allowed for {gen_name}: {', '.join(generation.topologies)}"
-        )
-    else:
-        tpu_slice = TpuSlice(generation, topology)
-
+    r = _Reader(raw)
+    mode = _mode(r)
     local = mode == "local"
-    if not project and not local:
-        problems.append("gcp:project: not set; run: pulumi config set gcp:project PROJECT_ID")
-    if region and not _REGION.match(region):
-        problems.append(f"gcp:region: {region!r} is not a region name such as us-east5")
-        region = None
-    zone_match = _ZONE.match(zone) if zone else None
-    if zone and not zone_match:
-        problems.append(f"gcp:zone: {zone!r} is not a zone name such as us-east5-b")
-    if mode == "standard":
-        if not zone:
-            problems.append("gcp:zone: not set; standard mode makes a zonal cluster: pulumi config set gcp:zone ZONE")
-        elif zone_match:
-            if region and zone_match.group(1) != region:
-                problems.append(f"gcp:zone: {zone!r} is not in gcp:region {region!r}")
-            region = region or zone_match.group(1)
-    elif mode == "autopilot" and not region:
-        problems.append(
-            "gcp:region: not set; autopilot mode makes a regional cluster: pulumi config set gcp:region REGION"
-        )
-
+    tpu_slice = _tpu_slice(r)
+    region = _place(r, mode, project, region, zone)
     if not has_token and not local:
-        problems.append(f"{key('hfToken')}: not set; run: pulumi config set --secret hfToken hf_...")
-
-    spot = typed("spot", boolean)
-    reservation = value("reservation")
-    if reservation and not _RESERVATION.match(reservation):
-        problems.append(f"{key('reservation')}: {reservation!r} must be NAME or projects/PROJECT/reservations/NAME")
-    if local and (spot or reservation):
-        problems.append(f"{key('mode')}: 'local' runs no TPU; unset {key('spot')} and {key('reservation')} for it")
-    elif spot and reservation:
-        problems.append(
-            f"{key('spot')}: true cannot be combined with {key('reservation')} {reservation!r}: Spot VMs do not consume reservations; unset one"
-        )
-
-    version = value("clusterVersion")
-    if parse_version(version) is None:
-        problems.append(
-            f"{key('clusterVersion')}: {version!r} is not a GKE version; use MAJOR.MINOR (1.36) or 1.36.X-gke.N"
-        )
-    elif generation is not None and mode in GKE_MODES:
-        minimum = generation.min_gke_autopilot if mode == "autopilot" else generation.min_gke_standard
-        if not version_at_least(version, minimum):
-            problems.append(
-                f"{key('clusterVersion')}: {version!r} is too old for {gen_name} on {mode} GKE with the Ray add-on; need {minimum} or newer"
-            )
-
-    cluster_name = name_check("clusterName", _DNS_1035, 40, "a GKE cluster name (lowercase letters, digits, '-')")
-    ray_cluster_name = name_check(
-        "rayClusterName", _DNS_1035, 53, "a DNS-1035 label (the TPU webhook builds hostnames from it)"
-    )
-    namespace = name_check("namespace", _DNS_1123, 63, "a DNS-1123 label")
-    service_account = name_check("serviceAccount", _DNS_1123, 63, "a DNS-1123 label")
-    repository = name_check("repositoryName", _DNS_1035, 63, "an Artifact Registry repository id")
-    image_name = name_check("imageName", _DNS_1123, 128, "an image name")
-
-    bucket = value("bucketName") or (f"{project}-{stack}-checkpoints" if project and not local else "")
-    if bucket and (not _BUCKET.match(bucket) or ".." in bucket or bucket.startswith("goog") or "google" in bucket):
-        problems.append(
-            f"{key('bucketName')}: {bucket!r} is not a valid bucket name (3-63 of a-z 0-9 - _ ., "
-            "starting and ending with a letter or digit, no 'goog' prefix or 'google')"
-        )
-
-    learning_rate = typed("learningRate", float)
-    if learning_rate is not None and learning_rate <= 0:
-        problems.append(f"{key('learningRate')}: {value('learningRate')!r} must be a positive number")
-    job = JobSettings(
-        model=value("model"),
-        dataset=value("dataset"),
-        dataset_split=value("datasetSplit"),
-        epochs=positive("epochs"),
-        batch_size=positive("batchSize"),
-        seq_len=positive("seqLen"),
-        learning_rate=learning_rate or 0.0,
-        timeout_minutes=positive("jobTimeoutMinutes"),
-        collectives_workers=positive("collectivesWorkers"),
-        finetune_workers=positive("finetuneWorkers"),
-        local_storage_path=str(ROOT / value("localStoragePath")),
-    )
-    if local:
-        # The local stack names files of this checkout; the jobs run elsewhere, so make them absolute.
-        job = replace(job, model=_local_path(job.model), dataset=_local_path(job.dataset))
-    for name in ("model", "dataset", "datasetSplit"):
-        if not value(name):
-            problems.append(f"{key(name)}: must not be empty")
-
-    deletion_protection = typed("deletionProtection", boolean)
-    force_destroy = typed("bucketForceDestroy", boolean)
-    if problems:
-        raise ConfigError(problems)
+        r.problem(f"{key('hfToken')}: not set; run: pulumi config set --secret hfToken hf_...")
+    spot, reservation = _capacity(r, mode)
+    version = _cluster_version(r, mode, tpu_slice)
+    names = {
+        "cluster_name": r.name("clusterName", _DNS_1035, 40, "a GKE cluster name (lowercase letters, digits, '-')"),
+        "ray_cluster_name": r.name(
+            "rayClusterName", _DNS_1035, 53, "a DNS-1035 label (the TPU webhook builds hostnames from it)"
+        ),
+        "namespace": r.name("namespace", _DNS_1123, 63, "a DNS-1123 label"),
+        "service_account": r.name("serviceAccount", _DNS_1123, 63, "a DNS-1123 label"),
+        "repository": r.name("repositoryName", _DNS_1035, 63, "an Artifact Registry repository id"),
+        "image_name": r.name("imageName", _DNS_1123, 128, "an image name"),
+        "head_machine_type": r.name("headMachineType", _MACHINE_TYPE, 63, "a GCE machine type such as n2-standard-8"),
+    }
+    bucket = _bucket(r, stack, project, local)
+    job = _job(r, local)
+    deletion_protection = r.boolean("deletionProtection")
+    force_destroy = r.boolean("bucketForceDestroy")
+    if r.problems:
+        raise ConfigError(r.problems)
     return StackConfig(
         stack=stack,
         project=project,
@@ -293,21 +396,15 @@ def parse(
         zone=zone if mode == "standard" else None,
         mode=mode,
         slice=tpu_slice,
-        spot=bool(spot),
+        spot=spot,
         reservation=reservation,
-        cluster_name=cluster_name,
         cluster_version=version,
-        head_machine_type=value("headMachineType"),
-        deletion_protection=bool(deletion_protection),
+        deletion_protection=deletion_protection,
         bucket_name=bucket,
-        bucket_force_destroy=bool(force_destroy),
-        repository=repository,
-        image_name=image_name,
-        ray_cluster_name=ray_cluster_name,
-        namespace=namespace,
-        service_account=service_account,
+        bucket_force_destroy=force_destroy,
         job=job,
-        ray_address=value("rayAddress"),
+        ray_address=r.value("rayAddress"),
+        **names,
     )
 
 

@@ -23,6 +23,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def address_file() -> Path:
+    """Where `ray start` records the latest head (RAY_TMPDIR, else /tmp, then ray/ray_current_cluster)."""
+    from ray._common.utils import get_ray_address_file
+
+    return Path(get_ray_address_file(None))
+
+
 class LocalRayHead:
     # 4 CPUs: the collectives check's default of 4 workers, one CPU bundle each.
     def __init__(self, num_cpus: int = 4, log_dir: Path | None = None, env: dict[str, str] | None = None):
@@ -37,6 +44,8 @@ class LocalRayHead:
             # Ray then reports 127.0.0.1 as every node's address, so gloo and Train stay on loopback.
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
             "GLOO_SOCKET_IFNAME": "lo",
+            # SIGTERM would otherwise drain the node for up to 30 s, for Serve traffic a local head never has.
+            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
             # Job entrypoints say `python`: make it this interpreter, with Ray and torch.
             "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
             **(env or {}),
@@ -80,27 +89,48 @@ class LocalRayHead:
                 raise RuntimeError(
                     f"ray start exited with {self.process.returncode}; see {self.log_dir or 'its output'}"
                 )
+            # Ready once the dashboard answers and `ray start` has written its address file
+            # (it does so a moment after), so that stop() finds the file to remove.
             try:
                 with urllib.request.urlopen(f"{self.dashboard_url}/api/version", timeout=2):
-                    return self
+                    if self._names_this_head(address_file()):
+                        return self
             except OSError:
-                time.sleep(0.5)
+                pass
+            time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"the local Ray dashboard did not answer on {self.dashboard_url} within {timeout_s:.0f}s")
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        if self.process is None:
             return
         for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            if self.process.poll() is not None:
+                break
             try:
                 os.killpg(self.process.pid, sig)
             except ProcessLookupError:
-                return
+                break
             try:
                 self.process.wait(wait)
-                return
             except subprocess.TimeoutExpired:
                 continue
+        self.forget_address()
+
+    def forget_address(self) -> None:
+        """Remove the address file `ray start` wrote, if it still names this head (as `ray stop` does).
+
+        Left behind, it sends every later `ray.init(address="auto")` to a dead GCS.
+        """
+        path = address_file()
+        if self._names_this_head(path):
+            path.unlink(missing_ok=True)
+
+    def _names_this_head(self, path: Path) -> bool:
+        try:
+            return path.read_text().strip() == self.address
+        except OSError:
+            return False
 
     def __enter__(self) -> LocalRayHead:
         return self.start()

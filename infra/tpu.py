@@ -29,8 +29,21 @@ class TpuGeneration:
     min_gke_standard: str
     min_gke_autopilot: str
     # Ironwood places multi-host slices with a HIGH_THROUGHPUT workload policy
-    # (a compute resource policy) instead of the node pool's tpu_topology.
+    # (a compute resource policy carrying the accelerator topology).
     uses_workload_policy: bool = False
+
+    @property
+    def placement_type(self) -> str:
+        """The node pool's placement_policy.type.
+
+        COMPACT, except next to a workload policy: GKE refuses a tpu7x pool with a placement
+        type ("... tpu7x-standard-4t machine type with placement policy is not supported. Use
+        workload policy instead.") and stores only policyName + tpuTopology for the one that
+        works, so a stated type would also diff, and replace the slice, on every `up`
+        (vllm-project/ci-infra#547; xpk#676: workload and group placement policies are
+        mutually exclusive). pulumi-gcp requires the field but omits an empty string.
+        """
+        return "" if self.uses_workload_policy else "COMPACT"
 
 
 GENERATIONS: dict[str, TpuGeneration] = {

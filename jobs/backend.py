@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,19 +92,48 @@ def resolve_num_workers(backend: str, topology: str, accelerator_type: str, num_
     return num_workers
 
 
+def live_cluster_address(timeout_s: float = 3.0) -> str | None:
+    """The Ray cluster to join: RAY_ADDRESS, or the last `ray start` head if its GCS still answers.
+
+    `ray.init(address="auto")` follows the address file a head leaves in Ray's temp dir
+    (RAY_TMPDIR, else /tmp/ray) even after that head was killed, and then waits for it
+    forever; here a file whose GCS port is closed counts as no cluster.
+    """
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    from ray._private.utils import read_ray_address
+
+    address = read_ray_address()
+    if not address:
+        return None
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return address
+    except (OSError, ValueError):
+        print(f"ignoring the stale Ray address {address} (nothing answers there)", flush=True)
+        return None
+
+
 def connect_ray(cpus_wanted: int) -> None:
-    """Join the Ray cluster this runs in (ray job submit, a local head); else start one big enough."""
+    """Join the Ray cluster this runs in (ray job submit, a live local head); else start one big enough."""
     import ray
 
     if ray.is_initialized():
         return
-    try:
-        ray.init(address="auto")
-    except ConnectionError:
-        # A private single-machine Ray: keep it, and the process groups, on loopback.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        ray.init(num_cpus=max(cpus_wanted, os.cpu_count() or 1), _node_ip_address="127.0.0.1", include_dashboard=False)
+    address = live_cluster_address()
+    if address:
+        ray.init(address=address)
+        return
+    # A private single-machine Ray: keep it, and the process groups, on loopback.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    ray.init(
+        address="local",  # not None: that too would follow a stale address file
+        num_cpus=max(cpus_wanted, os.cpu_count() or 1),
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+    )
 
 
 def print_result(result: dict) -> None:

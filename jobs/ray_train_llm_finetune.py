@@ -269,13 +269,22 @@ def check_storage(storage_path: str) -> None:
 
 
 def check_inputs(args: argparse.Namespace) -> int:
-    """Everything that can be wrong before a worker starts; returns the worker count."""
+    """Everything that can be wrong before a worker starts; returns the worker count.
+
+    Local paths become absolute: the workers do not run in this directory.
+    """
     get_backend(args.backend)
     workers = resolve_num_workers(args.backend, args.topology, args.accelerator_type, args.num_workers)
     for flag in ("model", "tokenizer"):
         ref = getattr(args, flag)
-        if ref and is_local(ref) and not Path(ref).expanduser().is_dir():
-            raise JobInputError(f"--{flag} {ref!r} does not exist (give a directory or a hub id)")
+        if ref and is_local(ref):
+            if not Path(ref).expanduser().is_dir():
+                raise JobInputError(f"--{flag} {ref!r} does not exist (give a directory or a hub id)")
+            setattr(args, flag, str(Path(ref).expanduser().resolve()))
+    if is_local(args.dataset):
+        args.dataset = str(Path(args.dataset).expanduser().resolve())
+    if "://" not in args.storage_path:
+        args.storage_path = str(Path(args.storage_path).expanduser().resolve())
     for flag in ("epochs", "batch_size", "seq_len"):
         if getattr(args, flag) < 1:
             raise JobInputError(f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)})")

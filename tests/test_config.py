@@ -184,6 +184,45 @@ BAD = {
         "gemma-tpu:clusterVersion: 'latest-ish' is not a GKE version",
     ),
 }
+# Typos and pasted values that would pass `preview` and fail only on the slice.
+for value in ("nan", "inf", "1e309", "-1", "0"):
+    BAD[f"learning rate {value}"] = (
+        "v6e",
+        {"learningRate": value},
+        f"gemma-tpu:learningRate: '{value}' must be a finite number",
+    )
+for value in ("", " ", "$(rm -rf /)", "ü", "n2-standard-8\n"):
+    BAD[f"head machine {value!r}"] = (
+        "v6e",
+        {"headMachineType": value},
+        f"gemma-tpu:headMachineType: {value!r} must be a GCE machine type",
+    )
+for name in ("model", "dataset"):
+    for value in (" ", "\n", "$(rm -rf /)", "org/name with space", "a\tb"):
+        BAD[f"{name} {value!r}"] = (
+            "v6e",
+            {name: value},
+            f"gemma-tpu:{name}: {value!r} must be a hub id (org/name) or a path",
+        )
+for value in (" ", "\n", "$(rm -rf /)", "train[5]", "train[:10", "train +", ""):
+    BAD[f"split {value!r}"] = (
+        "v6e",
+        {"datasetSplit": value},
+        f"gemma-tpu:datasetSplit: {value!r} is not a split expression",
+    )
+for name in ("epochs", "batchSize", "seqLen", "jobTimeoutMinutes"):
+    BAD[f"huge {name}"] = ("v6e", {name: "9999999999999999999"}, f"gemma-tpu:{name}: 9999999999999999999 is more than")
+BAD["timeout over a week"] = (
+    "v6e",
+    {"jobTimeoutMinutes": "10081"},
+    "gemma-tpu:jobTimeoutMinutes: 10081 is more than 10080 (a week",
+)
+for value in ("127.0.0.1:8265", "anything", "ftp://h:1", "http://h:99999", "http:// h", "http://h/api?x=1"):
+    BAD[f"ray address {value!r}"] = (
+        "local",
+        {"rayAddress": value, "gcp:project": None, "hfToken": None},
+        f"gemma-tpu:rayAddress: {value!r} must be a Ray dashboard URL",
+    )
 
 
 @pytest.mark.parametrize("case", BAD)
@@ -208,3 +247,41 @@ def test_all_problems_are_reported_together():
     with pytest.raises(ConfigError) as err:
         run_program("v6e", stack_config("v6e", tpuTopology="3x3", epochs="0", bucketName="UPPER", hfToken=None))
     assert len(err.value.problems) == 4
+
+
+GOOD_JOB_VALUES = {
+    "learningRate": ["2e-5", "1e-3", "0.5", "1"],
+    "model": ["google/gemma-4-E2B-it", "gemma-4", "/models/gemma", "./m", "~/m", "gs-like.path/x_y"],
+    "dataset": ["databricks/databricks-dolly-15k", "/data/dolly.jsonl", "../d.parquet"],
+    "datasetSplit": ["train", "train[:1024]", "train[10%:]", "train+test", "train[:10%]+test[5:-1]"],
+    "epochs": ["1", "1000"],
+    "batchSize": ["1", "1024"],
+    "seqLen": ["8", "131072"],
+}
+
+
+@pytest.mark.parametrize("name", GOOD_JOB_VALUES)
+def test_values_the_config_accepts_the_jobs_accept(name):
+    """What passes validation reaches the fine-tune's own parser intact, and `datasets` parses the split."""
+    from datasets import ReadInstruction
+    from ray_train_llm_finetune import parse_args
+
+    from infra.ray_jobs import job_specs
+    from infra.training import training_settings
+
+    for value in GOOD_JOB_VALUES[name]:
+        cfg = config.parse({name: value}, stack="v6e", project="p", region=None, zone="us-east5-b", has_token=True)
+        finetune = job_specs(training_settings(cfg))[1]
+        args = parse_args(list(finetune.args))
+        assert (args.model, args.dataset, args.split) == (cfg.job.model, cfg.job.dataset, cfg.job.dataset_split)
+        assert (args.epochs, args.batch_size, args.seq_len) == (cfg.job.epochs, cfg.job.batch_size, cfg.job.seq_len)
+        assert args.lr == cfg.job.learning_rate
+        ReadInstruction.from_spec(args.split)
+
+
+def test_a_local_stack_takes_a_dashboard_url():
+    for address in ("http://127.0.0.1:8265", "https://ray.example.com", "http://[::1]:8265/"):
+        cfg = config.parse(
+            {"mode": "local", "rayAddress": address}, stack="l", project=None, region=None, zone=None, has_token=False
+        )
+        assert cfg.ray_address == address

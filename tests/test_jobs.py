@@ -170,3 +170,78 @@ def test_fsdp_shards_the_mlps_and_root_but_not_the_frozen_table(tiny_assets, tmp
         assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     finally:
         dist.destroy_process_group()
+
+
+# ---- the jobs by hand, as the README shows them -----------------------------------------------
+
+
+def readme_cpu_commands() -> list[str]:
+    """The README's commands for running the jobs by hand on this machine's CPU, joined across `\\`."""
+    readme = (JOBS.parent / "README.md").read_text()
+    block = readme.split("# on this machine's CPU\n", 1)[1].split("```", 1)[0]
+    return [c.strip() for c in block.replace("\\\n", " ").splitlines() if c.strip()]
+
+
+@pytest.fixture
+def stale_ray_tmpdir():
+    """A Ray temp dir whose address file names a GCS that is gone, as a killed head leaves it."""
+    import shutil
+    import tempfile
+
+    from infra.local_ray import free_port
+
+    tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths live below it
+    (tmp / "ray").mkdir()
+    (tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}")
+    yield tmp
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_stale_address_file_is_no_cluster(stale_ray_tmpdir, monkeypatch):
+    import backend
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(stale_ray_tmpdir))
+    assert backend.live_cluster_address(timeout_s=1) is None
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert backend.live_cluster_address() == "10.0.0.1:6379"
+
+
+def test_a_live_address_file_is_joined(ray_head, stale_ray_tmpdir, monkeypatch):
+    import backend
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(stale_ray_tmpdir))
+    (stale_ray_tmpdir / "ray" / "ray_current_cluster").write_text(ray_head.address)
+    assert backend.live_cluster_address() == ray_head.address
+
+
+def test_readme_cpu_commands_run_verbatim_despite_a_stale_head(tiny_assets, stale_ray_tmpdir, tmp_path):
+    """`make local` (or any killed head) leaves an address file behind; the hand-run jobs still finish."""
+    import os
+
+    commands = readme_cpu_commands()
+    assert [c.split()[1] for c in commands] == ["jobs/ray_core_collectives.py", "jobs/ray_train_llm_finetune.py"]
+    # the layout the README assumes: the checkout's jobs/, .venv and .local/assets
+    (tmp_path / "jobs").symlink_to(JOBS)
+    (tmp_path / ".venv").symlink_to(sys.prefix)
+    (tmp_path / ".local").mkdir()
+    (tmp_path / ".local" / "assets").symlink_to(Path(tiny_assets["model"]).parent)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(stale_ray_tmpdir)}
+    for command in commands:
+        done = subprocess.run(
+            ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400
+        )
+        assert done.returncode == 0, command + "\n" + done.stdout[-3000:] + done.stderr[-3000:]
+        assert parse_result(done.stdout) is not None
+        assert "ignoring the stale Ray address" in done.stdout
+
+
+def test_the_local_head_leaves_no_address_file_behind(stale_ray_tmpdir, monkeypatch):
+    from infra.local_ray import LocalRayHead
+
+    monkeypatch.setenv("RAY_TMPDIR", str(stale_ray_tmpdir))
+    address_file = stale_ray_tmpdir / "ray" / "ray_current_cluster"
+    with LocalRayHead(num_cpus=1) as head:
+        assert address_file.read_text().strip() == head.address  # `ray start` wrote it
+    assert not address_file.exists()

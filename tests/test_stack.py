@@ -111,7 +111,8 @@ def test_tpu_node_pool(run):
         assert policy["workloadPolicy"] == {"type": "HIGH_THROUGHPUT", "acceleratorTopology": "2x2x2"}
         assert pool["nodeCount"] == 2
         assert pool["nodeConfig"]["machineType"] == "tpu7x-standard-4t"
-        assert pool["placementPolicy"] == {"type": "COMPACT", "policyName": policy["name"]}
+        # no placement type beside a workload policy: GKE refuses one for tpu7x and stores none
+        assert pool["placementPolicy"] == {"type": "", "policyName": policy["name"], "tpuTopology": "2x2x2"}
     assert "spot" not in pool["nodeConfig"] and "reservationAffinity" not in pool["nodeConfig"]
 
 
