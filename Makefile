@@ -1,11 +1,12 @@
-# make test: every gate and test; make local: both jobs on a local Ray, on CPU.
+# make test: every gate and test; make local: both jobs on a local Ray, on CPU;
+# make bench: the walkthrough's fine-tune recipe against the default, side by side.
 # Both create and fill .venv themselves, so they work on a fresh machine.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: test lint local clean
+.PHONY: test lint local bench clean
 
 $(INSTALLED): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +25,10 @@ test: lint
 
 local: $(INSTALLED)
 	$(BIN)/python -m infra.local_run
+
+# The walkthrough's fine-tune recipe vs the default, side by side (a few minutes on 2 cores).
+bench: $(INSTALLED)
+	$(BIN)/python -m bench.finetune
 
 clean:
 	rm -rf $(VENV) .pytest_cache .local

@@ -55,5 +55,6 @@ else:
 pulumi.export("checkpoint", training.checkpoint)
 pulumi.export("checkpoints", training.checkpoints)
 pulumi.export("metrics", training.metrics)
+pulumi.export("lossCurve", training.loss_curve)
 pulumi.export("collectives", training.collectives)
 pulumi.export("jobIds", training.job_ids)

@@ -71,6 +71,7 @@ class JobSettings:
     epochs: int
     batch_size: int
     seq_len: int
+    packing: bool
     learning_rate: float
     timeout_minutes: int
     # local mode only
@@ -338,6 +339,7 @@ def _job(r: _Reader, local: bool) -> JobSettings:
         epochs=r.positive("epochs"),
         batch_size=r.positive("batchSize"),
         seq_len=r.positive("seqLen"),
+        packing=r.boolean("packing"),
         learning_rate=_learning_rate(r),
         timeout_minutes=r.positive("jobTimeoutMinutes"),
         collectives_workers=r.positive("collectivesWorkers"),

@@ -50,6 +50,7 @@ def main() -> None:
     print("\nOutputs (as `pulumi stack output` shows them for the cloud stacks):")
     print(f"  checkpoint:  {outputs['checkpoint']}")
     print(f"  metrics:     {json.dumps(outputs['metrics'], sort_keys=True)}")
+    print(f"  lossCurve:   {outputs['loss_curve']}  (metrics.jsonl beside it)")
     print(f"  collectives: ok={collectives['ok']} world_size={collectives['world_size']} "
           f"max_abs_diff={collectives['max_abs_diff']:.2e}")  # fmt: skip
     print(f"  jobIds:      {json.dumps(outputs['job_ids'])}")

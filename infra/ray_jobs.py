@@ -75,6 +75,7 @@ def job_specs(settings: dict) -> list[JobSpec]:
         "--epochs", str(settings["epochs"]),
         "--batch-size", str(settings["batch_size"]),
         "--seq-len", str(settings["seq_len"]),
+        "--packing" if settings["packing"] else "--no-packing",
         "--lr", str(settings["learning_rate"]),
         "--storage-path", settings["storage_path"],
     ]  # fmt: skip
@@ -227,6 +228,7 @@ def run_pipeline(props: dict, log: Log = default_log, token_source: Callable[[],
         "checkpoints": finetune["checkpoints"],
         "metrics": finetune["metrics"],
         "history": finetune.get("history", []),
+        "loss_curve": finetune.get("loss_curve"),
         "collectives": results["collectives"],
         "job_ids": ids,
     }

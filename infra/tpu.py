@@ -28,6 +28,7 @@ class TpuGeneration:
     shm_gi: int  # /dev/shm for the compilation cache and data loader
     min_gke_standard: str
     min_gke_autopilot: str
+    peak_bf16_tflops_per_chip: float  # dense bf16, the denominator of MFU
     # Ironwood places multi-host slices with a HIGH_THROUGHPUT workload policy
     # (a compute resource policy carrying the accelerator topology).
     uses_workload_policy: bool = False
@@ -62,6 +63,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
             shm_gi=100,
             min_gke_standard=RAY_ADDON_MIN_GKE,
             min_gke_autopilot=RAY_ADDON_MIN_GKE,
+            peak_bf16_tflops_per_chip=918,
         ),
         TpuGeneration(
             name="tpu7x",
@@ -76,6 +78,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
             shm_gi=128,
             min_gke_standard="1.34.0-gke.2201000",
             min_gke_autopilot="1.34.1-gke.3084001",
+            peak_bf16_tflops_per_chip=2307,  # both chiplets together
             uses_workload_policy=True,
         ),
     )

@@ -14,7 +14,7 @@ from infra.config import StackConfig
 from infra.raycluster import DASHBOARD_PORT, head_service
 
 CHECKPOINT_PREFIX = "ray_train_torchtpu"
-OUTPUT_KEYS = ("checkpoint", "checkpoints", "metrics", "history", "collectives", "job_ids")
+OUTPUT_KEYS = ("checkpoint", "checkpoints", "metrics", "history", "loss_curve", "collectives", "job_ids")
 # How to reach the head and how long to wait: changing them does not re-run anything.
 REACH_KEYS = ("target", "timeout_s", "poll_s")
 
@@ -29,6 +29,7 @@ def training_settings(cfg: StackConfig) -> dict:
         "epochs": job.epochs,
         "batch_size": job.batch_size,
         "seq_len": job.seq_len,
+        "packing": job.packing,
         "learning_rate": job.learning_rate,
     }
     if cfg.local:
@@ -107,12 +108,13 @@ class _TrainingJobsProvider(dynamic.ResourceProvider):
 
 
 class TrainingJobs(dynamic.Resource):
-    """Outputs: checkpoint, checkpoints, metrics, history, collectives, job_ids."""
+    """Outputs: checkpoint, checkpoints, metrics, history, loss_curve, collectives, job_ids."""
 
     checkpoint: pulumi.Output[str]
     checkpoints: pulumi.Output[list]
     metrics: pulumi.Output[dict]
     history: pulumi.Output[list]
+    loss_curve: pulumi.Output[str]
     collectives: pulumi.Output[dict]
     job_ids: pulumi.Output[dict]
 

@@ -13,13 +13,27 @@ import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 # The jobs travel alone (only jobs/ is uploaded), so these few facts are restated here;
 # tests/test_config.py checks them against infra/tpu.py and infra/ray_jobs.py.
 RESULT_PREFIX = "JOB_RESULT_JSON: "
 CHIPS_PER_HOST = 4
-# Ray accelerator type -> (Ray's accelerator version, logical devices per chip)
-ACCELERATOR_TYPES = {"TPU-V6E": ("v6e", 1), "TPU-V7X": ("v7x", 2)}
+
+
+class TpuType(NamedTuple):
+    version: str  # Ray's accelerator version
+    devices_per_chip: int  # logical devices (chiplets)
+    peak_bf16_flops_per_chip: float
+
+    @property
+    def peak_flops_per_device(self) -> float:
+        return self.peak_bf16_flops_per_chip / self.devices_per_chip
+
+
+# Ray accelerator type -> its facts
+ACCELERATOR_TYPES = {"TPU-V6E": TpuType("v6e", 1, 918e12), "TPU-V7X": TpuType("v7x", 2, 2307e12)}
+DTYPES = ("bfloat16", "float32")
 
 
 class JobInputError(ValueError):
@@ -31,6 +45,8 @@ class Backend:
     name: str
     dist_backend: str
     device_type: str
+    # bf16 where the hardware multiplies in it; fp32 on CPUs, whose matmuls in bf16 are ~5x slower
+    compute_dtype: str
 
     def device(self):
         import torch
@@ -52,9 +68,9 @@ class Backend:
 
 
 BACKENDS = {
-    "tpu": Backend("tpu", "tpu_dist", "tpu"),
-    "cpu": Backend("cpu", "gloo", "cpu"),
-    "cuda": Backend("cuda", "nccl", "cuda"),
+    "tpu": Backend("tpu", "tpu_dist", "tpu", "bfloat16"),
+    "cpu": Backend("cpu", "gloo", "cpu", "float32"),
+    "cuda": Backend("cuda", "nccl", "cuda", "bfloat16"),
 }
 
 
@@ -74,7 +90,7 @@ def tpu_devices(topology: str, accelerator_type: str) -> int:
         chips = math.prod(int(d) for d in topology.split("x"))
     except ValueError:
         raise JobInputError(f"--topology {topology!r} is not a topology such as 4x4 or 2x2x2") from None
-    return chips * ACCELERATOR_TYPES[accelerator_type][1]
+    return chips * ACCELERATOR_TYPES[accelerator_type].devices_per_chip
 
 
 def resolve_num_workers(backend: str, topology: str, accelerator_type: str, num_workers: int | None) -> int:

@@ -154,9 +154,9 @@ def reserve(args, world: int):
     if args.backend == "tpu":
         from ray.util.tpu import slice_placement_group
 
-        version, per_chip = ACCELERATOR_TYPES[args.accelerator_type]
+        tpu = ACCELERATOR_TYPES[args.accelerator_type]
         slice_pg = slice_placement_group(
-            args.topology, version, resources_per_bundle={"TPU": 1}, tpu_resource_per_chip=per_chip
+            args.topology, tpu.version, resources_per_bundle={"TPU": 1}, tpu_resource_per_chip=tpu.devices_per_chip
         )
         return slice_pg, slice_pg.placement_group
     pg = placement_group([{"CPU": 1}] * world, strategy="PACK")
@@ -172,7 +172,9 @@ def run_check(args: argparse.Namespace) -> dict:
         raise JobInputError(
             f"the tensor-parallel width {args.hidden}x{args.expansion} must divide by the {world} workers"
         )
-    devices_per_host = CHIPS_PER_HOST * ACCELERATOR_TYPES[args.accelerator_type][1] if args.backend == "tpu" else world
+    devices_per_host = (
+        CHIPS_PER_HOST * ACCELERATOR_TYPES[args.accelerator_type].devices_per_chip if args.backend == "tpu" else world
+    )
     connect_ray(world)
     handle, pg = reserve(args, world)
     try:

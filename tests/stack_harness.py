@@ -45,6 +45,7 @@ class StackMocks(pulumi_mocks.Mocks):
                 "checkpoint": ckpt,
                 "checkpoints": [ckpt],
                 "metrics": {"epoch": 3, "loss": 2.2},
+                "loss_curve": f"{storage}/sft-run/loss.png",
                 "collectives": {"ok": True},
                 "job_ids": {"collectives": "c-a1", "finetune": "f-a1"},
             }

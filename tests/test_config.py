@@ -55,7 +55,9 @@ def test_jobs_restate_the_table_faithfully():
     assert backend.RESULT_PREFIX == ray_jobs.RESULT_PREFIX
     for generation in GENERATIONS.values():
         assert generation.chips_per_host == backend.CHIPS_PER_HOST
-        assert backend.ACCELERATOR_TYPES[generation.ray_accelerator_type][1] == generation.devices_per_chip
+        tpu_type = backend.ACCELERATOR_TYPES[generation.ray_accelerator_type]
+        assert tpu_type.devices_per_chip == generation.devices_per_chip
+        assert tpu_type.peak_bf16_flops_per_chip == generation.peak_bf16_tflops_per_chip * 1e12
         tpu = TpuSlice(generation, generation.topologies[0])
         assert backend.tpu_devices(tpu.topology, generation.ray_accelerator_type) == tpu.devices
 

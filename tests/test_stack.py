@@ -175,6 +175,7 @@ def test_outputs(run):
     assert run.secret_outputs == {"kubeconfig"}
     assert run.outputs["checkpoint"].startswith(f"gs://demo-project-{run.stack}-checkpoints/ray_train_torchtpu/")
     assert run.outputs["metrics"] == {"epoch": 3, "loss": 2.2}
+    assert run.outputs["lossCurve"] == f"gs://demo-project-{run.stack}-checkpoints/ray_train_torchtpu/sft-run/loss.png"
     assert run.outputs["jobIds"] == {"collectives": "c-a1", "finetune": "f-a1"}
 
 
@@ -195,6 +196,7 @@ def test_training_jobs_resource(run):
         "epochs": 3,
         "batch_size": 4,
         "seq_len": 512,
+        "packing": True,
         "learning_rate": 2e-05,
         "storage_path": f"gs://demo-project-{run.stack}-checkpoints/ray_train_torchtpu",
     }
@@ -253,3 +255,15 @@ def test_specific_reservation(mode):
         assert selector["cloud.google.com/reservation-name"] == "iw-res"
         assert selector["cloud.google.com/reservation-affinity"] == "specific"
         assert selector["cloud.google.com/reservation-project"] == "shared-proj"
+
+
+@pytest.mark.parametrize("stack", STACKS)
+@pytest.mark.parametrize("packing", ["true", "false"])
+def test_packing_reaches_the_fine_tune_as_its_flag(stack, packing):
+    from infra.ray_jobs import job_specs
+
+    run = run_program(stack, stack_config(stack, packing=packing))
+    settings = run.one("pulumi-python:dynamic:Resource", "training").inputs["settings"]
+    assert settings["packing"] is (packing == "true")
+    args = job_specs(settings)[1].args
+    assert ("--packing" in args, "--no-packing" in args) == ((True, False) if packing == "true" else (False, True))

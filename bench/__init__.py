@@ -1,0 +1,1 @@
+"""Benchmarks run side by side in one process: `make bench`."""

@@ -1,0 +1,174 @@
+"""Packed rows: boundaries, labels, positions, shapes, determinism; and no attention across records."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from sft_data import IGNORE, model_inputs, pack_rows, packed_examples, padded_examples, tokenize_records
+
+SEQ = 32
+DOCS = [[2, 10 + i] + [20 + i] * n for i, n in enumerate([3, 28, 9, 14, 1, 30, 5, 11, 7, 18])]
+
+
+def test_rows_hold_every_record_once_and_never_overflow():
+    rows = pack_rows([len(d) for d in DOCS], SEQ, seed=42)
+    assert sorted(i for row in rows for i in row) == list(range(len(DOCS)))
+    assert all(sum(len(DOCS[i]) for i in row) <= SEQ for row in rows)
+    # best fit: no two rows could have been one
+    fills = sorted(sum(len(DOCS[i]) for i in row) for row in rows)
+    assert fills[0] + fills[1] > SEQ
+
+
+def test_packing_is_deterministic_from_the_seed():
+    lengths = [len(d) for d in DOCS]
+    assert pack_rows(lengths, SEQ, seed=42) == pack_rows(lengths, SEQ, seed=42)
+    assert any(pack_rows(lengths, SEQ, seed=s) != pack_rows(lengths, SEQ, seed=42) for s in range(1, 6))
+
+
+def test_positions_restart_and_labels_stop_at_boundaries():
+    data = packed_examples(DOCS, SEQ, pad_id=0, seed=42)
+    input_ids, real, labels, positions = data.tensors
+    assert input_ids.shape == real.shape == labels.shape == positions.shape == (len(data), SEQ)
+    rows = pack_rows([len(d) for d in DOCS], SEQ, seed=42)
+    for r, row in enumerate(rows):
+        at = 0
+        for i in row:
+            doc, end = DOCS[i], at + len(DOCS[i])
+            assert input_ids[r, at:end].tolist() == doc
+            assert positions[r, at:end].tolist() == list(range(len(doc)))
+            assert labels[r, at] == IGNORE  # never predicted from the previous record
+            assert labels[r, at + 1 : end].tolist() == doc[1:]
+            at = end
+        assert real[r].sum() == at and (labels[r, at:] == IGNORE).all()  # filler: not text, not predicted
+        assert positions[r, at:].tolist() == list(range(SEQ - at))
+    assert int(real.sum()) == sum(len(d) for d in DOCS)
+
+
+def test_packed_batches_carry_positions_and_no_mask():
+    batch = packed_examples(DOCS, SEQ, pad_id=0, seed=1).tensors
+    assert set(model_inputs(batch, True, "cpu")) == {"input_ids", "position_ids", "labels"}
+    assert set(model_inputs(batch, False, "cpu")) == {"input_ids", "attention_mask", "labels"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_assets):
+    """The tiny Gemma 4 in fp32 with a sliding window (4) shorter than every record."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tiny_assets["model"])
+    config.text_config.sliding_window = 4
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_assets["model"], config=config, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_assets["model"])
+
+
+def test_a_record_in_a_packed_row_sees_only_itself(tiny):
+    model, tokenizer = tiny
+    records = [{"instruction": f"Describe {s}.", "response": f"The {s} is warm and {s} often {w}."}
+               for s, w in [("bees", "early"), ("tides", "late"), ("comets", "slowly"), ("chess", "small")]]  # fmt: skip
+    docs = tokenize_records(records, tokenizer, 64)
+    assert all(len(d) > 4 for d in docs)
+    data = packed_examples(docs, 64, tokenizer.pad_token_id, seed=0)
+    assert len(data) == 1  # all four in one row, so three of them follow another record
+    row, rows = data.tensors, pack_rows([len(d) for d in docs], 64, seed=0)
+    with torch.no_grad():
+        packed = model(**{k: v for k, v in model_inputs(row, True, "cpu").items() if k != "labels"}).logits[0]
+        at = 0
+        for i in rows[0]:
+            alone = model(input_ids=torch.tensor([docs[i]])).logits[0]
+            torch.testing.assert_close(packed[at : at + len(docs[i])], alone, rtol=1e-4, atol=1e-4)
+            at += len(docs[i])
+
+
+def test_the_equivalence_check_bites_without_the_packed_positions(tiny):
+    model, tokenizer = tiny
+    docs = tokenize_records([{"instruction": "Explain bees.", "response": "Bees are warm."}] * 2, tokenizer, 64)
+    row = packed_examples(docs, 64, tokenizer.pad_token_id, seed=0).tensors
+    with torch.no_grad():
+        unmasked = model(input_ids=row[0]).logits[0]  # one causal row: the second record sees the first
+        alone = model(input_ids=torch.tensor([docs[1]])).logits[0]
+    second = unmasked[len(docs[0]) : len(docs[0]) + len(docs[1])]
+    assert (second - alone).abs().max() > 1e-2
+
+
+def test_padded_rows_are_the_walkthroughs(tiny):
+    _, tokenizer = tiny
+    records = [{"instruction": "Explain bees.", "response": "Bees are warm."}]
+    input_ids, real, labels, _ = padded_examples(records, tokenizer, 16).tensors
+    expected = tokenizer(["Instruction: Explain bees.\nResponse: Bees are warm."], max_length=16,
+                         truncation=True, padding="max_length", return_tensors="pt")  # fmt: skip
+    assert torch.equal(input_ids, expected["input_ids"]) and torch.equal(real, expected["attention_mask"])
+    assert torch.equal(labels, expected["input_ids"].masked_fill(real == 0, IGNORE))
+
+
+# ---- utilisation --------------------------------------------------------------------------------
+
+
+def test_flops_formula_on_a_known_config():
+    from utilisation import AttentionLayer, causal_context, model_flops_per_token
+
+    assert causal_context(8, None) == 4.5  # (1 + ... + 8) / 8
+    assert causal_context(8, 2) == (1 + 2 * 7) / 8  # the first query sees 1 key, the rest 2
+    assert causal_context(8, 100) == 4.5
+    layers = [AttentionLayer(2, 4, None), AttentionLayer(2, 4, 2)]
+    flops = model_flops_per_token(1000, 100, layers, 8)
+    assert flops == 6 * 1000 + 4 * 100 + 12 * 2 * 4 * 4.5 + 12 * 2 * 4 * (15 / 8)
+
+
+def test_describe_counts_the_matmuls_of_gemma4(tiny):
+    from utilisation import AttentionLayer, describe
+
+    model, tokenizer = tiny
+    text = model.config.get_text_config()
+    h, f, p, hd = text.hidden_size, text.intermediate_size, text.hidden_size_per_layer_input, text.head_dim
+    per_layer = (
+        h * text.num_attention_heads * hd * 2  # q, o
+        + h * text.num_key_value_heads * hd * 2  # k, v
+        + 3 * h * f  # gate, up, down
+        + 2 * h * p  # per-layer input gate and projection
+    )
+    expected = text.num_hidden_layers * per_layer + p * text.num_hidden_layers * h + len(tokenizer) * h
+    model.model.language_model.embed_tokens_per_layer.weight.requires_grad_(False)  # a lookup: never counted
+    assert describe(model) == (
+        expected,
+        0,
+        [AttentionLayer(2, 32, 4), AttentionLayer(2, 32, None)],
+    )
+
+
+# ---- the walkthrough's command line ---------------------------------------------------------------
+
+
+def test_walkthrough_flags_are_accepted(monkeypatch, capsys):
+    import backend
+    import ray_train_llm_finetune as ft
+
+    monkeypatch.setenv("STORAGE_PATH", "gs://b/ray_train_torchtpu")
+    args = ft.parse_args(
+        ["--model-id", "google/gemma-4-E2B-it", "--num-epochs", "3", "--batch-size-per-device", "4",
+         "--dataset-split", "train[:1024]", "--num-workers", "16"]
+    )  # fmt: skip
+    assert (args.model, args.epochs, args.batch_size, args.split) == ("google/gemma-4-E2B-it", 3, 4, "train[:1024]")
+    assert args.storage_path == "gs://b/ray_train_torchtpu" and args.packing is True
+    assert backend.resolve_num_workers("tpu", "4x4", "TPU-V6E", args.num_workers) == 16
+    assert ft.parse_args(["--no-packing"]).packing is False
+    monkeypatch.delenv("STORAGE_PATH")
+    assert ft.parse_args([]).storage_path == os.path.expanduser("~/ray_results")
+    with pytest.raises(SystemExit):
+        ft.parse_args(["--help"])
+    shown = capsys.readouterr().out
+    for pair in ("--model MODEL, --model-id MODEL", "--epochs EPOCHS, --num-epochs EPOCHS", "--no-packing"):
+        assert pair in shown
+
+
+def test_peak_flops_per_device_and_mfu():
+    import ray_train_llm_finetune as ft
+
+    base = {"backend": "tpu", "peak_tflops": None, "accelerator_type": "TPU-V6E"}
+    assert ft.peak_flops_per_device(base) == 918e12
+    assert ft.peak_flops_per_device(base | {"accelerator_type": "TPU-V7X"}) == 2307e12 / 2
+    assert ft.peak_flops_per_device(base | {"backend": "cpu"}) is None
+    assert ft.peak_flops_per_device(base | {"backend": "cpu", "peak_tflops": 2.0}) == 2e12
