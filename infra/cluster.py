@@ -37,7 +37,7 @@ def cluster_args(cfg: StackConfig) -> dict:
     if cfg.autopilot:
         # Autopilot brings Workload Identity, Dataplane V2 and image streaming itself.
         return common | {"enable_autopilot": True}
-    return common | {
+    standard = {
         "initial_node_count": 1,
         "node_config": {
             "machine_type": cfg.head_machine_type,
@@ -47,6 +47,10 @@ def cluster_args(cfg: StackConfig) -> dict:
         "datapath_provider": "ADVANCED_DATAPATH",
         "workload_identity_config": {"workload_pool": f"{cfg.project}.svc.id.goog"},
     }
+    if cfg.scale_to_zero:
+        # The autoscaler profile that removes idle nodes sooner; `enabled` is node auto-provisioning, off.
+        standard["cluster_autoscaling"] = {"enabled": False, "autoscaling_profile": "OPTIMIZE_UTILIZATION"}
+    return common | standard
 
 
 def workload_policy_args(cfg: StackConfig) -> dict:
@@ -84,9 +88,25 @@ def tpu_pool_args(cfg: StackConfig, cluster_name: pulumi.Input[str], policy_name
         "project": cfg.project,
         "cluster": cluster_name,
         "location": cfg.location,
-        "node_count": cfg.slice.hosts,
+        **pool_size(cfg),
         "node_config": tpu_node_config(cfg),
         "placement_policy": placement,
+    }
+
+
+def pool_size(cfg: StackConfig) -> dict:
+    """A fixed slice (the walkthrough), or one that autoscales between none and one whole slice.
+
+    Autoscaled: created empty, per-zone min/max (GKE rejects a multi-host TPU pool given only
+    the total_* fields: "Maximum node count 0 is not a valid size of TPU pod slice",
+    vllm-project/ci-infra), and the one zone; GKE adds or removes the slice's hosts together.
+    """
+    if not cfg.scale_to_zero:
+        return {"node_count": cfg.slice.hosts}
+    return {
+        "initial_node_count": 0,
+        "autoscaling": {"min_node_count": 0, "max_node_count": cfg.slice.hosts, "location_policy": "ANY"},
+        "node_locations": [cfg.zone],
     }
 
 
@@ -110,7 +130,13 @@ class GkeCluster(pulumi.ComponentResource):
             self.tpu_pool = gcp.container.NodePool(
                 f"{name}-tpu",
                 **tpu_pool_args(cfg, self.cluster.name, policy_name),
-                opts=child.merge(pulumi.ResourceOptions(custom_timeouts=pulumi.CustomTimeouts(create="60m"))),
+                opts=child.merge(
+                    pulumi.ResourceOptions(
+                        custom_timeouts=pulumi.CustomTimeouts(create="60m"),
+                        # the autoscaler owns the node count; Pulumi must not set it back
+                        ignore_changes=["nodeCount"] if cfg.scale_to_zero else None,
+                    )
+                ),
             )
         self.name = self.cluster.name
         self.endpoint = self.cluster.endpoint

@@ -50,6 +50,7 @@ JOB_LIMITS = {
     "batchSize": (1024, "per device; a TPU device's memory holds far fewer Gemma 4 sequences"),
     "seqLen": (131072, "Gemma 4's longest context"),
     "jobTimeoutMinutes": (10080, "a week; the job resource waits this long, twice, for its jobs"),
+    "sliceReadyTimeoutMinutes": (1440, "a day; GKE adds a slice within minutes when capacity exists"),
     "collectivesWorkers": (256, "local mode runs one CPU process per worker"),
     "finetuneWorkers": (256, "local mode runs one CPU process per worker"),
 }
@@ -90,6 +91,8 @@ class StackConfig:
     slice: TpuSlice
     spot: bool
     reservation: str
+    scale_to_zero: bool  # the TPU worker group (and node pool) at 0 except while jobs run
+    slice_ready_timeout_minutes: int
     cluster_name: str
     cluster_version: str
     head_machine_type: str
@@ -285,6 +288,14 @@ def _capacity(r: _Reader, mode: str) -> tuple[bool, str]:
     return spot, reservation
 
 
+def _scale_to_zero(r: _Reader, reservation: str) -> bool:
+    """Default true, but false with a reservation: reserved capacity is paid whether nodes exist or not,
+    so scaling to zero would save nothing and cost a provisioning wait per run."""
+    if r.raw.get("scaleToZero") is None and reservation:
+        return False
+    return r.boolean("scaleToZero")
+
+
 def _cluster_version(r: _Reader, mode: str, tpu_slice: TpuSlice | None) -> str:
     version = r.value("clusterVersion")
     if parse_version(version) is None:
@@ -373,6 +384,8 @@ def parse(
     if not has_token and not local:
         r.problem(f"{key('hfToken')}: not set; run: pulumi config set --secret hfToken hf_...")
     spot, reservation = _capacity(r, mode)
+    scale_to_zero = _scale_to_zero(r, reservation)
+    slice_ready_timeout = r.positive("sliceReadyTimeoutMinutes")
     version = _cluster_version(r, mode, tpu_slice)
     names = {
         "cluster_name": r.name("clusterName", _DNS_1035, 40, "a GKE cluster name (lowercase letters, digits, '-')"),
@@ -400,6 +413,8 @@ def parse(
         slice=tpu_slice,
         spot=spot,
         reservation=reservation,
+        scale_to_zero=scale_to_zero and mode != "local",
+        slice_ready_timeout_minutes=slice_ready_timeout,
         cluster_version=version,
         deletion_protection=deletion_protection,
         bucket_name=bucket,

@@ -1,6 +1,7 @@
-"""A few authenticated GETs against a GKE API server, with the caller's Google credentials.
+"""A few authenticated calls to a GKE API server, with the caller's Google credentials.
 
 Used from dynamic providers at `up` time; nothing here runs during preview or under mocks.
+Every call refreshes the token when needed and retries what is transient (infra/resilience.py).
 """
 
 from __future__ import annotations
@@ -10,26 +11,24 @@ import json
 import ssl
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-CLOUD_PLATFORM = "https://www.googleapis.com/auth/cloud-platform"
+from infra.resilience import GoogleTokens, RetryPolicy, TokenSource, call_with_retries
 
-
-def google_access_token() -> str:
-    """The caller's Application Default Credentials, as gke-gcloud-auth-plugin would use them."""
-    import google.auth
-    import google.auth.transport.requests
-
-    credentials, _ = google.auth.default(scopes=[CLOUD_PLATFORM])
-    credentials.refresh(google.auth.transport.requests.Request())
-    return credentials.token
+RERUN_HINT = (
+    "Nothing was lost: a job already started keeps running on the cluster, and `pulumi up` again "
+    "re-attaches to it once the API server answers."
+)
 
 
 @dataclass(frozen=True)
 class KubeApi:
     base_url: str  # https://ENDPOINT, or http://127.0.0.1:PORT for a local stand-in
-    token: str
+    tokens: TokenSource
     ca_certificate_b64: str | None = None
+    policy: RetryPolicy = field(default_factory=RetryPolicy)
+    log: Callable[[str], None] = print
 
     def _context(self) -> ssl.SSLContext | None:
         if not self.base_url.startswith("https://"):
@@ -38,21 +37,38 @@ class KubeApi:
             return ssl.create_default_context()
         return ssl.create_default_context(cadata=base64.b64decode(self.ca_certificate_b64).decode())
 
-    def get(self, path: str, timeout: float = 30) -> tuple[int, dict]:
-        request = urllib.request.Request(
-            self.base_url.rstrip("/") + path,
-            headers={"Authorization": f"Bearer {self.token}", "Accept": "application/json"},
-        )
+    def _send(self, method: str, path: str, body: bytes | None, content_type: str | None, token: str, timeout: float):
+        headers = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        request = urllib.request.Request(self.base_url.rstrip("/") + path, data=body, headers=headers, method=method)
         try:
             with urllib.request.urlopen(request, timeout=timeout, context=self._context()) as response:
                 return response.status, json.loads(response.read() or b"{}")
         except urllib.error.HTTPError as err:
-            body = err.read()
+            payload = err.read()
             try:
-                return err.code, json.loads(body or b"{}")
+                return err.code, json.loads(payload or b"{}")
             except ValueError:
-                return err.code, {"message": body.decode(errors="replace")}
+                return err.code, {"message": payload.decode(errors="replace")}
+
+    def request(
+        self, method: str, path: str, body: object = None, content_type: str | None = None, timeout: float = 30
+    ) -> tuple[int, dict]:
+        """One call, with fresh credentials and retries; returns (status, parsed JSON body)."""
+        data = json.dumps(body).encode() if body is not None else None
+        return call_with_retries(
+            lambda token: self._send(method, path, data, content_type, token, timeout),
+            self.tokens,
+            self.policy,
+            what=f"{method} {self.base_url}{path}",
+            hint=RERUN_HINT,
+            log=self.log,
+        )
+
+    def get(self, path: str, timeout: float = 30) -> tuple[int, dict]:
+        return self.request("GET", path, timeout=timeout)
 
 
-def for_gke(endpoint: str, ca_certificate_b64: str) -> KubeApi:
-    return KubeApi(f"https://{endpoint}", google_access_token(), ca_certificate_b64)
+def for_gke(endpoint: str, ca_certificate_b64: str, tokens: TokenSource | None = None) -> KubeApi:
+    return KubeApi(f"https://{endpoint}", tokens or GoogleTokens(), ca_certificate_b64)

@@ -54,6 +54,7 @@ def main() -> None:
     print(f"  collectives: ok={collectives['ok']} world_size={collectives['world_size']} "
           f"max_abs_diff={collectives['max_abs_diff']:.2e}")  # fmt: skip
     print(f"  jobIds:      {json.dumps(outputs['job_ids'])}")
+    print(f"  sliceHours:  {outputs['slice_hours']}  (no TPU slice here)")
     print(f"done in {time.monotonic() - started:.0f}s")
 
 

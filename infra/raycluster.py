@@ -47,13 +47,25 @@ def _autopilot_selectors(cfg: StackConfig) -> dict[str, str]:
     return {}
 
 
+def worker_replicas(cfg: StackConfig) -> dict:
+    """One slice always (the walkthrough), or none until the job resource asks for one.
+
+    With scaleToZero, `replicas` is left out: the CRD defaults it to 0 when the RayCluster is
+    created, and since Pulumi never declares it, no later `up` sets it back under a running job
+    (the job resource patches it to 1 and back to 0).
+    """
+    if not cfg.scale_to_zero:
+        return {"replicas": 1}
+    return {"minReplicas": 0, "maxReplicas": 1}
+
+
 def ray_cluster_manifest(cfg: StackConfig, image: str) -> dict:
     """The RayCluster as a plain dict: one CPU head, one worker group spanning the slice."""
     tpu = cfg.slice
     env = [_token_env(), *tpu.ray_env]
     worker_group = {
         "groupName": tpu.worker_group,
-        "replicas": 1,
+        **worker_replicas(cfg),
         "numOfHosts": tpu.hosts,
         "rayStartParams": {},
         "template": {

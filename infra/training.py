@@ -6,6 +6,10 @@ Ray credentials are read where it runs, when it runs.
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+
 import pulumi
 import pulumi.dynamic as dynamic
 
@@ -14,9 +18,13 @@ from infra.config import StackConfig
 from infra.raycluster import DASHBOARD_PORT, head_service
 
 CHECKPOINT_PREFIX = "ray_train_torchtpu"
-OUTPUT_KEYS = ("checkpoint", "checkpoints", "metrics", "history", "loss_curve", "collectives", "job_ids")
+OUTPUT_KEYS = (
+    "checkpoint", "checkpoints", "metrics", "history", "loss_curve", "collectives", "job_ids", "slice_hours",
+)  # fmt: skip
 # How to reach the head and how long to wait: changing them does not re-run anything.
-REACH_KEYS = ("target", "timeout_s", "poll_s")
+REACH_KEYS = ("target", "timeout_s", "poll_s", "retry_budget_s", "slice")
+# How long a call to the head may keep failing (connection errors, 5xx) before `up` gives up.
+RETRY_BUDGET_S = 600
 
 
 def training_settings(cfg: StackConfig) -> dict:
@@ -82,6 +90,20 @@ def training_props(cfg: StackConfig, target: dict, cluster: pulumi.Input[str], i
         "target": target,
         "timeout_s": cfg.job.timeout_minutes * 60,
         "poll_s": 2 if cfg.local else 15,
+        "retry_budget_s": RETRY_BUDGET_S,
+        "slice": slice_settings(cfg),
+    }
+
+
+def slice_settings(cfg: StackConfig) -> dict | None:
+    """What the job resource scales around the jobs: the TPU worker group (scaleToZero only)."""
+    if not cfg.scale_to_zero:
+        return None
+    return {
+        "ray_cluster": cfg.ray_cluster_name,
+        "group": cfg.slice.worker_group,
+        "hosts": cfg.slice.hosts,
+        "ready_timeout_s": cfg.slice_ready_timeout_minutes * 60,
     }
 
 
@@ -89,11 +111,29 @@ def local_target(address: str) -> dict:
     return {"kind": "local", "address": address}
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM, like Ctrl-C, ends the wait with a word on what keeps running (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(_signum, _frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class _TrainingJobsProvider(dynamic.ResourceProvider):
     # Pulumi pickles this class by reference: its host imports `infra` from the project directory.
 
     def create(self, props: dict) -> dynamic.CreateResult:
-        outputs = ray_jobs.run_pipeline(props)
+        with sigterm_as_interrupt():
+            outputs = ray_jobs.run_pipeline(props)
         return dynamic.CreateResult(id_=outputs["job_ids"]["finetune"], outs={**props, **outputs})
 
     def diff(self, _id, olds, news):
@@ -101,20 +141,22 @@ class _TrainingJobsProvider(dynamic.ResourceProvider):
 
     def update(self, _id, olds, news):
         # Only how to reach the head or how long to wait changed: the run and its outputs stand.
-        return dynamic.UpdateResult(outs={**olds, **{k: news[k] for k in REACH_KEYS}})
+        return dynamic.UpdateResult(outs={**olds, **{k: news.get(k) for k in REACH_KEYS}})
 
     def delete(self, _id, props):
         ray_jobs.stop_active(props, props.get("job_ids", {}))
+        ray_jobs.release_slice(props)
 
 
 class TrainingJobs(dynamic.Resource):
-    """Outputs: checkpoint, checkpoints, metrics, history, loss_curve, collectives, job_ids."""
+    """Outputs: checkpoint, checkpoints, metrics, history, loss_curve, collectives, job_ids, slice_hours."""
 
     checkpoint: pulumi.Output[str]
     checkpoints: pulumi.Output[list]
     metrics: pulumi.Output[dict]
     history: pulumi.Output[list]
     loss_curve: pulumi.Output[str]
+    slice_hours: pulumi.Output[float]
     collectives: pulumi.Output[dict]
     job_ids: pulumi.Output[dict]
 

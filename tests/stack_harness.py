@@ -48,6 +48,7 @@ class StackMocks(pulumi_mocks.Mocks):
                 "loss_curve": f"{storage}/sft-run/loss.png",
                 "collectives": {"ok": True},
                 "job_ids": {"collectives": "c-a1", "finetune": "f-a1"},
+                "slice_hours": 0.1,
             }
         elif args.typ == "gcp:storage/bucket:Bucket":
             state |= {"url": f"gs://{args.inputs['name']}"}

@@ -18,7 +18,10 @@ def test_bench_smoke_prints_the_side_by_side_table(ray_head, tmp_path, capsys):
     printed = capsys.readouterr().out
     walk, pack = out["results"].values()
     assert walk["metrics"]["packing"] is False and pack["metrics"]["packing"] is True
+    # the walkthrough's recipe: one record per padded row, so every record is a row
+    assert walk["metrics"]["steps"] == 48 // (2 * 4) and walk["metrics"]["real_token_share"] < 0.6
     assert pack["metrics"]["steps"] < walk["metrics"]["steps"]  # the same records in fewer, fuller rows
+    assert pack["metrics"]["real_token_share"] > 0.9
     assert out["ratio"] == pack["metrics"]["real_tokens_per_s"] / walk["metrics"]["real_tokens_per_s"]
     for row in ("epoch 1: real_tokens_per_s", "epoch 1: steps", "epoch 1: loss", "epoch 1: checkpoint_stall_s"):
         assert row in printed

@@ -10,6 +10,7 @@ import pytest
 
 from infra.crd_wait import CRD_PATH, wait_for_crd
 from infra.kube_api import KubeApi
+from infra.resilience import FixedToken, RetryPolicy
 
 
 def serve(responses: list[tuple[int, dict]]):
@@ -41,7 +42,7 @@ PENDING = {"status": {"conditions": [{"type": "Established", "status": "False"}]
 
 def test_waits_through_missing_and_pending_until_established():
     server, seen = serve([(404, {}), (404, {}), (200, PENDING), (200, ESTABLISHED)])
-    api = KubeApi(f"http://127.0.0.1:{server.server_address[1]}", "tok")
+    api = KubeApi(f"http://127.0.0.1:{server.server_address[1]}", FixedToken("tok"))
     messages = []
     crd = wait_for_crd(api, "rayclusters.ray.io", timeout_s=10, poll_s=0.01, log=lambda m, **_: messages.append(m))
     server.shutdown()
@@ -55,7 +56,23 @@ def test_waits_through_missing_and_pending_until_established():
 
 def test_times_out_naming_the_crd_and_the_fix():
     server, _ = serve([(404, {})])
-    api = KubeApi(f"http://127.0.0.1:{server.server_address[1]}", "tok")
+    api = KubeApi(f"http://127.0.0.1:{server.server_address[1]}", FixedToken("tok"))
     with pytest.raises(TimeoutError, match="rayclusters.ray.io was not established.*Ray Operator add-on"):
         wait_for_crd(api, "rayclusters.ray.io", timeout_s=0.05, poll_s=0.01, log=lambda *a, **k: None)
     server.shutdown()
+
+
+def test_transient_errors_are_retried_not_reported():
+    """A 503 and a 502 from a control plane under repair are ridden out; the 404s are answers."""
+    server, seen = serve([(503, {}), (404, {}), (502, {}), (200, ESTABLISHED)])
+    api = KubeApi(
+        f"http://127.0.0.1:{server.server_address[1]}",
+        FixedToken("tok"),
+        policy=RetryPolicy(budget_s=5, base_s=0.01),
+        log=lambda _: None,
+    )
+    messages = []
+    crd = wait_for_crd(api, "rayclusters.ray.io", timeout_s=10, poll_s=0.01, log=lambda m, **_: messages.append(m))
+    server.shutdown()
+    assert crd == ESTABLISHED and len(seen) == 4
+    assert messages == ["CRD rayclusters.ray.io: not installed yet; waiting"]  # no "HTTP 503" state shown

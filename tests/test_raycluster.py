@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -90,9 +91,16 @@ def walkthrough_manifest(group, hosts, memory, shm, accelerator, topology, ironw
     }
 
 
+ALWAYS_ON = {"scaleToZero": "false"}  # the walkthrough's slice, up from `up` to `destroy`
 FLAVOURS = {
-    "v6e": (cfg_for("v6e", "4x4"), walkthrough_manifest("v6e-16", 4, "200Gi", "100Gi", "tpu-v6e-slice", "4x4", False)),
-    "tpu7x": (cfg_for("tpu7x", "2x2x2"), walkthrough_manifest("tpu7x-16", 2, "250Gi", "128Gi", "tpu7x", "2x2x2", True)),
+    "v6e": (
+        cfg_for("v6e", "4x4", **ALWAYS_ON),
+        walkthrough_manifest("v6e-16", 4, "200Gi", "100Gi", "tpu-v6e-slice", "4x4", False),
+    ),
+    "tpu7x": (
+        cfg_for("tpu7x", "2x2x2", **ALWAYS_ON),
+        walkthrough_manifest("tpu7x-16", 2, "250Gi", "128Gi", "tpu7x", "2x2x2", True),
+    ),
 }
 
 
@@ -100,6 +108,21 @@ FLAVOURS = {
 def test_manifest_equals_walkthrough(flavour):
     cfg, expected = FLAVOURS[flavour]
     assert ray_cluster_manifest(cfg, IMAGE) == expected
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_scale_to_zero_leaves_the_replicas_to_the_job_resource(flavour):
+    """By default the worker group is bounded 0..1 and its replicas are not declared at all: the CRD
+    makes them 0 at creation, and no later `up` can set them back under a running job."""
+    cfg, walkthrough = FLAVOURS[flavour]
+    default = ray_cluster_manifest(replace(cfg, scale_to_zero=True), IMAGE)
+    group = default["spec"]["workerGroupSpecs"][0]
+    assert "replicas" not in group and (group["minReplicas"], group["maxReplicas"]) == (0, 1)
+    expected = copy.deepcopy(walkthrough)
+    expected_group = expected["spec"]["workerGroupSpecs"][0]
+    del expected_group["replicas"]
+    expected_group.update(minReplicas=0, maxReplicas=1)
+    assert default == expected
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +136,17 @@ def schema():
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
 @pytest.mark.parametrize(
-    "extra", [{}, {"mode": "autopilot", "spot": "true"}, {"mode": "autopilot", "reservation": "r1"}]
+    "extra",
+    [{}, ALWAYS_ON, {"mode": "autopilot", "spot": "true"}, {"mode": "autopilot", "reservation": "r1"}],
 )
 def test_manifest_passes_strict_crd_validation(schema, flavour, extra):
     cfg = cfg_for(*("v6e", "4x4") if flavour == "v6e" else ("tpu7x", "2x2x2"), **extra)
     assert validate(ray_cluster_manifest(cfg, IMAGE), schema) == []
+
+
+def test_the_crd_defaults_undeclared_replicas_to_zero(schema):
+    group_schema = schema["properties"]["spec"]["properties"]["workerGroupSpecs"]["items"]
+    assert group_schema["properties"]["replicas"]["default"] == 0
 
 
 def _broken(mutate):

@@ -101,19 +101,71 @@ def test_tpu_node_pool(run):
     assert pool["name"] == "tpu-multi-host-pool"
     assert pool["location"] == "us-east5-b"
     assert pool["cluster"] == f"ray-tpu-{run.stack}"
+    hosts = {"v6e": 4, "tpu7x": 2}[run.stack]
+    # scaleToZero (the default): created empty, autoscaled per zone up to one whole slice
+    assert "nodeCount" not in pool and pool["initialNodeCount"] == 0
+    assert pool["autoscaling"] == {"minNodeCount": 0, "maxNodeCount": hosts, "locationPolicy": "ANY"}
+    assert pool["nodeLocations"] == ["us-east5-b"]
     if run.stack == "v6e":
-        assert pool["nodeCount"] == 4
         assert pool["nodeConfig"]["machineType"] == "ct6e-standard-4t"
         assert pool["placementPolicy"] == {"type": "COMPACT", "tpuTopology": "4x4"}
     else:
         policy = run.one("gcp:compute/resourcePolicy:ResourcePolicy").inputs
         assert policy["region"] == "us-east5"
         assert policy["workloadPolicy"] == {"type": "HIGH_THROUGHPUT", "acceleratorTopology": "2x2x2"}
-        assert pool["nodeCount"] == 2
         assert pool["nodeConfig"]["machineType"] == "tpu7x-standard-4t"
         # no placement type beside a workload policy: GKE refuses one for tpu7x and stores none
         assert pool["placementPolicy"] == {"type": "", "policyName": policy["name"], "tpuTopology": "2x2x2"}
     assert "spot" not in pool["nodeConfig"] and "reservationAffinity" not in pool["nodeConfig"]
+
+
+@pytest.mark.parametrize("stack", STACKS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("scale_to_zero", ["true", "false"])
+def test_scale_to_zero_or_the_walkthroughs_always_on_slice(stack, mode, scale_to_zero):
+    run = run_program(stack, stack_config(stack, mode=mode, scaleToZero=scale_to_zero))
+    on = scale_to_zero == "true"
+    hosts, group = {"v6e": (4, "v6e-16"), "tpu7x": (2, "tpu7x-16")}[stack]
+    worker = run.one("kubernetes:ray.io/v1:RayCluster").inputs["spec"]["workerGroupSpecs"][0]
+    training = run.one("pulumi-python:dynamic:Resource", "training").inputs
+    cluster = run.one("gcp:container/cluster:Cluster").inputs
+    if on:
+        assert "replicas" not in worker and (worker["minReplicas"], worker["maxReplicas"]) == (0, 1)
+        assert training["slice"] == {
+            "ray_cluster": "ray-torchtpu-cluster", "group": group, "hosts": hosts, "ready_timeout_s": 1800,
+        }  # fmt: skip
+    else:
+        assert worker["replicas"] == 1 and "minReplicas" not in worker and "maxReplicas" not in worker
+        assert training.get("slice") is None  # Pulumi drops a None input
+    assert run.outputs["sliceHours"] == 0.1
+    if mode == "autopilot":  # no pool, no autoscaler profile: the pods ask for the nodes
+        assert run.of_type("gcp:container/nodePool:NodePool") == [] and "clusterAutoscaling" not in cluster
+        return
+    pool = run.one("gcp:container/nodePool:NodePool")
+    if on:
+        assert cluster["clusterAutoscaling"] == {"enabled": False, "autoscalingProfile": "OPTIMIZE_UTILIZATION"}
+        assert pool.inputs["autoscaling"]["maxNodeCount"] == hosts and "nodeCount" not in pool.inputs
+    else:
+        assert "clusterAutoscaling" not in cluster
+        assert pool.inputs["nodeCount"] == hosts and "autoscaling" not in pool.inputs
+        assert "initialNodeCount" not in pool.inputs and "nodeLocations" not in pool.inputs
+
+
+def test_a_reservation_keeps_its_slice_unless_told_otherwise():
+    reserved = run_program("v6e", stack_config("v6e", reservation="r1"))
+    assert reserved.one("kubernetes:ray.io/v1:RayCluster").inputs["spec"]["workerGroupSpecs"][0]["replicas"] == 1
+    assert reserved.one("pulumi-python:dynamic:Resource", "training").inputs.get("slice") is None
+    told = run_program("v6e", stack_config("v6e", reservation="r1", scaleToZero="true"))
+    assert told.one("pulumi-python:dynamic:Resource", "training").inputs["slice"]["hosts"] == 4
+
+
+def test_pulumi_config_documents_scale_to_zero():
+    from infra.config import declared_keys
+
+    keys = declared_keys()
+    assert (keys["scaleToZero"]["type"], keys["scaleToZero"]["default"]) == ("boolean", True)
+    assert "reservation" in keys["scaleToZero"]["description"] and "walkthrough" in keys["scaleToZero"]["description"]
+    assert (keys["sliceReadyTimeoutMinutes"]["type"], keys["sliceReadyTimeoutMinutes"]["default"]) == ("integer", 30)
 
 
 def test_bucket_and_workload_identity_grant(run):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
 from pathlib import Path
@@ -11,9 +12,11 @@ from pulumi.runtime.rpc import UNKNOWN
 from ray.exceptions import AuthenticationError
 
 from infra import ray_jobs
-from infra.config import parse
+from infra.config import ROOT, parse
+from infra.resilience import FixedToken, GoogleTokens, RetryPolicy, Unreachable
+from infra.slice_scaler import SliceNotReady
 from infra.training import _TrainingJobsProvider, diff_props, local_target, training_props
-from tests.apiserver_standin import ServiceProxyStandin
+from tests.apiserver_standin import FakeSlice, ServiceProxyStandin
 from tests.stack_harness import run_program, stack_config
 
 
@@ -92,29 +95,177 @@ def test_delete_stops_a_running_job(ray_head):
     assert ray_jobs.job_status(client, submission_id) == "STOPPED"
 
 
-def test_gke_path_through_the_api_server_service_proxy(ray_head, tiny_assets, tmp_path):
+def gke_target(proxy) -> dict:
+    return {
+        "kind": "gke",
+        "endpoint": proxy.url,
+        "ca_certificate": None,
+        "namespace": "default",
+        "service": "ray-torchtpu-cluster-head-svc",
+        "port": 8265,
+    }
+
+
+def slice_props(tpu: FakeSlice, ready_timeout_s: float = 60) -> dict:
+    return {"ray_cluster": tpu.ray_cluster, "group": tpu.group, "hosts": tpu.hosts, "ready_timeout_s": ready_timeout_s}
+
+
+def standin(head, token="k8s-bearer", **faults) -> ServiceProxyStandin:
+    return ServiceProxyStandin(token, "default", "ray-torchtpu-cluster-head-svc", 8265, head.dashboard_url, **faults)
+
+
+class ShortLivedCredentials:
+    """Google credentials as google-auth keeps them, but each token lives `lifetime_s` only."""
+
+    def __init__(self, lifetime_s: float):
+        self.lifetime, self.issued, self.token, self.expiry = lifetime_s, [], None, None
+
+    @property
+    def valid(self) -> bool:
+        return self.token is not None and datetime.datetime.now(datetime.UTC).replace(tzinfo=None) < self.expiry
+
+    def refresh(self, _request):
+        now = time.time()
+        self.token = f"tok-{len(self.issued)}-{now}"
+        self.issued.append(self.token)
+        self.expiry = datetime.datetime.fromtimestamp(now + self.lifetime, datetime.UTC).replace(tzinfo=None)
+
+
+def young(lifetime_s: float):
+    """The stand-in's check: a token issued by ShortLivedCredentials less than lifetime_s ago."""
+    return lambda token: token.startswith("tok-") and time.time() - float(token.rsplit("-", 1)[1]) < lifetime_s
+
+
+def test_gke_path_survives_token_expiry_and_a_flaky_proxy_without_duplicate_jobs(ray_head, tiny_assets, tmp_path):
+    """Through the service proxy: tokens that live 4 s, a run of much longer, a fifth of the requests
+    answered 503 or dropped, and the first submit's answer lost after the job went in."""
     props = local_props(ray_head, tiny_assets, tmp_path, stack="gke")
-    with ServiceProxyStandin(
-        "k8s-bearer", "default", "ray-torchtpu-cluster-head-svc", 8265, ray_head.dashboard_url
+    credentials = ShortLivedCredentials(lifetime_s=4)
+    tokens = GoogleTokens(margin_s=1.5, credentials=credentials)
+    logged: list[str] = []
+    tpu = FakeSlice("ray-torchtpu-cluster", "v6e-16", hosts=4)
+    with standin(
+        ray_head, young(4), fault_share=0.2, max_faults=40, seed=3, drop_first_submit=True, fake_slice=tpu
     ) as proxy:
-        props["target"] = {
-            "kind": "gke",
-            "endpoint": proxy.url,
-            "ca_certificate": None,
-            "namespace": "default",
-            "service": "ray-torchtpu-cluster-head-svc",
-            "port": 8265,
-        }
-        with pytest.raises(AuthenticationError):  # without the right token the proxy refuses
-            ray_jobs.run_pipeline(props, token_source=lambda: "wrong")
-        outputs = ray_jobs.run_pipeline(props, log=lambda _: None, token_source=lambda: "k8s-bearer")
+        props["target"], props["slice"] = gke_target(proxy), slice_props(tpu)
+        started = time.monotonic()
+        outputs = ray_jobs.run_pipeline(props, log=logged.append, tokens=tokens)
+        took = time.monotonic() - started
     assert outputs["collectives"]["ok"] and outputs["metrics"]["epoch"] == 1
+    assert took > 4 * 3 and len(credentials.issued) >= 3  # the run outlived several tokens
+    # the slice came up host by host before the jobs, and went back to 0 once, after them
+    assert tpu.patches == [1, 0] and 0 < outputs["slice_hours"] < 4 * took / 3600 + 1e-3
+    progress = [line for line in logged if line.startswith("TPU slice: ")]
+    assert progress[:3] == [
+        "TPU slice: scaling worker group v6e-16 to 1 (4 hosts)",
+        "TPU slice: 1/4 hosts ready (GKE is adding nodes)",
+        "TPU slice: 2/4 hosts ready (GKE is adding nodes)",
+    ]
+    assert logged.index("TPU slice: 4/4 hosts ready") < next(
+        i for i, line in enumerate(logged) if "[collectives] submitting" in line
+    )
+    assert [r for r in proxy.refused if r[2] == 401] == []  # refreshed before expiry, never after
+    assert sum(1 for r in proxy.refused if r[2] in (0, 503)) >= 10  # the faults did happen...
+    assert any("retrying in" in line for line in logged)
+    assert any("the submit of gke-" in line and "did reach the head" in line for line in logged)
+    jobs = jobs_on_head(ray_head, "gke-")
+    assert [s for _, s in jobs] == ["SUCCEEDED", "SUCCEEDED"], jobs  # ...and still one job each
     paths = [path for _, path, _ in proxy.requests]
     assert all(
         p.startswith("/api/v1/namespaces/default/services/ray-torchtpu-cluster-head-svc:8265/proxy/") for p in paths
     )
     assert any("/api/packages/" in p for p in paths)  # jobs/ went up through the proxy
-    assert any(m == "POST" and p.endswith("/api/jobs/") for m, p, _ in proxy.requests)
+    assert any("/api/v0/logs/file?node_id=" in p and "&lines=1000" in p for p in paths)  # bounded tails
+    assert not any(p.endswith("/logs") for p in paths)  # never the whole log
+
+
+def test_a_401_refreshes_the_token_once_then_counts(ray_head):
+    revoked = ShortLivedCredentials(lifetime_s=3600)
+    revoked.refresh(None)
+    revoked.token = "revoked-but-unexpired"
+    tokens = GoogleTokens(credentials=revoked)
+    with standin(ray_head, lambda t: t.startswith("tok-")) as proxy:
+        client = ray_jobs.connect(gke_target(proxy), tokens)
+        assert ray_jobs.job_status(client, "no-such-job") is None
+    assert [r[2] for r in proxy.refused] == [401]  # once, then the refreshed token worked
+    with standin(ray_head, "never") as proxy, pytest.raises(AuthenticationError):
+        ray_jobs.connect(gke_target(proxy), FixedToken("wrong"))
+    assert [r[2] for r in proxy.refused] == [401, 401]  # one refresh-and-retry, then the answer stands
+
+
+def test_a_proxy_that_stays_down_fails_after_the_budget_with_the_way_back(ray_head):
+    with standin(ray_head, mode="down") as proxy:
+        started = time.monotonic()
+        with pytest.raises(Unreachable) as err:
+            ray_jobs.connect(gke_target(proxy), FixedToken("k8s-bearer"), RetryPolicy(budget_s=2, base_s=0.2))
+    assert 2 <= time.monotonic() - started < 10
+    message = str(err.value)
+    assert "/api/version kept failing for 2s (last: HTTP 503)" in message
+    assert "keeps running on the cluster" in message and "re-attaches" in message
+    assert len(proxy.refused) >= 3
+
+
+def test_a_403_fails_at_once(ray_head):
+    with standin(ray_head, mode="forbidden") as proxy:
+        started = time.monotonic()
+        with pytest.raises(ray_jobs.Refused, match="HTTP 403, refused: .*services proxy is forbidden"):
+            ray_jobs.connect(gke_target(proxy), FixedToken("k8s-bearer"), RetryPolicy(budget_s=60))
+    assert time.monotonic() - started < 5 and len(proxy.refused) == 1
+
+
+def test_an_interrupt_leaves_job_and_slice_up_and_the_next_up_attaches(ray_head, tiny_assets, tmp_path):
+    """The provider process gets SIGINT while it waits: the job runs on and the slice stays up; a new
+    create attaches without scaling anything, and scales down only once the job has ended."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    # 8 workers on the 4-CPU head: the check waits for its reservation, RUNNING, for as long as we like
+    props = local_props(ray_head, tiny_assets, tmp_path, stack="intr", collectives_workers=8)
+    tpu = FakeSlice("ray-torchtpu-cluster", "v6e-16", hosts=4)
+    with standin(ray_head, fake_slice=tpu) as proxy:
+        props["target"], props["slice"] = gke_target(proxy), slice_props(tpu)
+        (tmp_path / "props.json").write_text(json.dumps(props))
+        runner = (  # the provider as Pulumi's host runs it, with the stand-in's token for Google's
+            "import json, sys; import infra.ray_jobs as rj; from infra.resilience import FixedToken; "
+            "rj.GoogleTokens = lambda: FixedToken('k8s-bearer'); "
+            "from infra.training import _TrainingJobsProvider as P; P().create(json.load(sys.stdin))"
+        )
+        out = (tmp_path / "provider.log").open("w")
+        provider = subprocess.Popen(
+            [sys.executable, "-c", runner], cwd=ROOT, stdin=(tmp_path / "props.json").open(), stdout=out,
+            stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while [s for _, s in jobs_on_head(ray_head, "intr-")] != ["RUNNING"]:
+            assert time.monotonic() < deadline and provider.poll() is None
+            time.sleep(0.5)
+        time.sleep(3)  # the provider is in its wait loop by now
+        provider.send_signal(signal.SIGINT)
+        assert provider.wait(timeout=60) != 0
+        output = (tmp_path / "provider.log").read_text()
+        [(job_id, status)] = jobs_on_head(ray_head, "intr-")
+        assert f"interrupted: job {job_id} keeps running on the cluster; `pulumi up` re-attaches to it" in output
+        assert status == "RUNNING" and tpu.patches == [1]  # nothing stopped, nothing scaled down
+
+        second: dict = {}
+        logged: list[str] = []
+
+        def create_again():
+            try:
+                ray_jobs.run_pipeline(props, log=logged.append, tokens=FixedToken("k8s-bearer"))
+            except ray_jobs.JobFailed as err:
+                second["error"] = err
+
+        attach = threading.Thread(target=create_again)
+        attach.start()
+        time.sleep(6)
+        assert f"[collectives] {job_id} is already RUNNING; attaching to it" in logged
+        assert tpu.patches == [1]  # the slice was up: no scale-up, and no scale-down under the job
+        ray_jobs.connect(local_target(ray_head.dashboard_url)).stop_job(job_id)
+        attach.join(60)
+    assert "ended STOPPED" in str(second["error"]) and tpu.patches == [1, 0]
 
 
 def test_ray_token_goes_in_the_header_ray_reads_behind_proxies(monkeypatch, tmp_path):
@@ -220,3 +371,96 @@ def test_serialized_provider_loads_in_a_fresh_host(provider):
     assert host.stdout.split() == [name, "True"]
     elsewhere = subprocess.run([sys.executable, "-c", load], cwd="/", capture_output=True, text=True)
     assert elsewhere.returncode != 0 and "No module named 'infra'" in elsewhere.stderr  # the check bites
+
+
+class TailOnlyClient:
+    """Answers the log API with the last `lines` lines of a growing log, as Ray's dashboard does."""
+
+    def __init__(self):
+        self.log = ""
+
+    def _do_request(self, method, path, budget_s=None):
+        lines = int(path.rsplit("lines=", 1)[1])
+        return type("R", (), {"status_code": 200, "text": "".join(self.log.splitlines(keepends=True)[-lines:])})()
+
+
+def test_the_log_follower_prints_each_line_once_from_bounded_tails():
+    client, printed = TailOnlyClient(), []
+    follower = ray_jobs.LogFollower(client, "job-a1", "[j]", printed.append, lines=10)
+    assert follower.poll(None) == "" and printed == []  # no driver yet, no request
+    client.log = "same\nsame\nsame\n"
+    follower.poll("node")
+    client.log += "same\nnew 1\nhalf a li"
+    follower.poll("node")
+    assert printed == ["[j] same"] * 4 + ["[j] new 1"]  # repeated lines counted right; the partial one held back
+    follower.lines = 8  # from here on the log is longer than a window: anchors decide
+    client.log += "ne\n" + "".join(f"step {i}\n" for i in range(3))
+    follower.poll("node")
+    assert printed[5:] == ["[j] half a line", "[j] step 0", "[j] step 1", "[j] step 2"]
+    client.log += "".join(f"burst {i}\n" for i in range(9))  # more than a window since the last poll
+    follower.poll("node")
+    assert printed[9].startswith("[j] ... (more than 8 new lines") and printed[10:] == [
+        f"[j] burst {i}" for i in range(1, 9)
+    ]
+    client.log += "JOB_RESULT_JSON: {}"
+    assert follower.poll("node", final=True).endswith("JOB_RESULT_JSON: {}")
+    assert printed[-1] == "[j] JOB_RESULT_JSON: {}"
+
+
+# ---- scale to zero around the jobs ---------------------------------------------------------------
+
+
+def scaled_run(head, tiny_assets, tmp_path, stack: str, tpu: FakeSlice, ready_timeout_s=60, timeout_s=600, **settings):
+    """The pipeline through the stand-in with a slice to scale; returns (error, log lines)."""
+    props = local_props(head, tiny_assets, tmp_path, stack=stack, **settings)
+    logged: list[str] = []
+    with standin(head, fake_slice=tpu) as proxy:
+        props["target"], props["slice"] = gke_target(proxy), slice_props(tpu, ready_timeout_s)
+        props["timeout_s"] = timeout_s
+        try:
+            ray_jobs.run_pipeline(props, log=logged.append, tokens=FixedToken("k8s-bearer"))
+        except Exception as err:  # noqa: BLE001
+            return err, logged
+    return None, logged
+
+
+def test_a_failing_check_still_scales_the_slice_down_once(ray_head, tiny_assets, tmp_path):
+    tpu = FakeSlice("ray-torchtpu-cluster", "v6e-16", hosts=4)
+    err, _ = scaled_run(ray_head, tiny_assets, tmp_path, "sfail", tpu, collectives_workers=3)
+    assert isinstance(err, ray_jobs.JobFailed) and "ended FAILED" in str(err)
+    assert tpu.patches == [1, 0]
+
+
+def test_a_timed_out_job_is_stopped_and_the_slice_scaled_down_once(ray_head, tiny_assets, tmp_path):
+    tpu = FakeSlice("ray-torchtpu-cluster", "v6e-16", hosts=4)
+    # 8 workers on the 4-CPU head never get their reservation: the job outlives its 5 s
+    err, _ = scaled_run(ray_head, tiny_assets, tmp_path, "stime", tpu, timeout_s=5, collectives_workers=8)
+    assert isinstance(err, ray_jobs.JobFailed) and "has been stopped" in str(err)
+    assert tpu.patches == [1, 0]
+    deadline = time.monotonic() + 60  # stopping takes a moment
+    while [s for _, s in jobs_on_head(ray_head, "stime-")] != ["STOPPED"]:
+        assert time.monotonic() < deadline, jobs_on_head(ray_head, "stime-")
+        time.sleep(0.5)
+
+
+def test_a_slice_that_never_comes_up_fails_with_the_reason_and_goes_back_to_zero(ray_head, tiny_assets, tmp_path):
+    tpu = FakeSlice("ray-torchtpu-cluster", "tpu7x-16", hosts=2, never_ready=True)
+    err, logged = scaled_run(ray_head, tiny_assets, tmp_path, "snever", tpu, ready_timeout_s=1)
+    assert isinstance(err, SliceNotReady)
+    message = str(err)
+    assert "was not ready within" in message and "scaled back to 0" in message
+    assert "NotTriggerScaleUp: pod didn't trigger scale-up" in message and "GCE quota exceeded" in message
+    assert "quota" in message and "stockout" in message and "reservation" in message
+    assert tpu.patches == [1, 0]  # back to 0 exactly once
+    assert "TPU slice: 0/2 hosts ready (GKE is adding nodes)" in logged
+    assert jobs_on_head(ray_head, "snever-") == []  # nothing was submitted
+
+
+def test_delete_scales_the_slice_down(ray_head):
+    tpu = FakeSlice("ray-torchtpu-cluster", "v6e-16", hosts=4)
+    tpu.replicas = 1
+    with standin(ray_head, fake_slice=tpu) as proxy:
+        props = {"target": gke_target(proxy), "slice": slice_props(tpu), "poll_s": 1, "job_ids": {}}
+        ray_jobs.stop_active(props, {}, tokens=FixedToken("k8s-bearer"))
+        ray_jobs.release_slice(props, tokens=FixedToken("k8s-bearer"))
+    assert tpu.patches == [0]
