@@ -285,6 +285,13 @@ def submit_once(client, spec: JobSpec, submission_id: str, runtime_env: dict, po
             return
 
 
+def log_lines(text: str) -> list[str]:
+    """Lines ending in \\n (the last one maybe not yet). Not str.splitlines: a progress bar's \\r
+    does not end a line, and splitting there would count one line as several."""
+    parts = text.split("\n")
+    return [p + "\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+
+
 class LogFollower:
     """Prints each new line of a job's log once, fetching only a bounded tail per poll.
 
@@ -309,18 +316,19 @@ class LogFollower:
         try:
             response = self.client._do_request("GET", path, budget_s=LOG_TAIL_BUDGET_S)
             if response.status_code == 200:
-                return response.text.splitlines(keepends=True)
+                return log_lines(response.text)
         except Unreachable:
             pass
         # a head without this API, or one failing at it: the whole log, cut here
-        return self.client.get_job_logs(self.submission_id).splitlines(keepends=True)[-self.lines :]
+        return log_lines(self.client.get_job_logs(self.submission_id))[-self.lines :]
 
     def poll(self, driver_node_id: str | None, final: bool = False) -> str:
         """Print what is new; with final, also a last line that has no newline yet. Returns the tail fetched."""
         if not driver_node_id:  # not started yet: no log
             return "".join(self.window)
         self.window = self.fetch(driver_node_id)
-        complete = self.window if final else [line for line in self.window if line.endswith("\n")]
+        partial = bool(self.window) and not self.window[-1].endswith("\n")
+        complete = self.window[:-1] if partial and not final else self.window
         new = complete[self.count :] if len(self.window) < self.lines else self._after_shown(complete)
         for line in new:
             self.log(f"{self.prefix} {line.rstrip()}")

@@ -388,7 +388,12 @@ def test_the_log_follower_prints_each_line_once_from_bounded_tails():
     client, printed = TailOnlyClient(), []
     follower = ray_jobs.LogFollower(client, "job-a1", "[j]", printed.append, lines=10)
     assert follower.poll(None) == "" and printed == []  # no driver yet, no request
-    client.log = "same\nsame\nsame\n"
+    client.log = "same\nloading 0%\rloading 100%\n"
+    follower.poll("node")
+    assert printed == ["[j] same", "[j] loading 0%\rloading 100%"]  # a progress bar's \r ends no line
+    printed.clear()
+    client.log = "same\nsame\nsame\n"  # (a fresh log for the follower below)
+    follower.count, follower.shown = 0, []
     follower.poll("node")
     client.log += "same\nnew 1\nhalf a li"
     follower.poll("node")
