@@ -27,6 +27,10 @@ class SliceNotReady(RuntimeError):
     """The slice's hosts did not all become Ready in time (the group is back at 0)."""
 
 
+class NoRayCluster(RuntimeError):
+    """The RayCluster is not there (deleted by hand, or not yet created)."""
+
+
 def is_ready(pod: dict) -> bool:
     conditions = pod.get("status", {}).get("conditions", [])
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
@@ -56,6 +60,8 @@ class SliceScaler:
     def _group(self) -> tuple[int, int]:
         """(index of the worker group in workerGroupSpecs, its replicas now)."""
         status, body = self.api.get(self._path)
+        if status == 404:
+            raise NoRayCluster(f"RayCluster {self.namespace}/{self.ray_cluster} does not exist")
         if status != 200:
             raise RuntimeError(f"RayCluster {self.namespace}/{self.ray_cluster}: HTTP {status}: {body.get('message')}")
         for index, group in enumerate(body.get("spec", {}).get("workerGroupSpecs", [])):

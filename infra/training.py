@@ -1,7 +1,8 @@
 """The last resource of the stack: runs the collectives check and the fine-tune, exports the checkpoint.
 
-A Pulumi dynamic resource over infra/ray_jobs.py. Its inputs hold no secret: Google and
-Ray credentials are read where it runs, when it runs.
+A Pulumi dynamic resource over infra/ray_jobs.py (which uses infra/job_client.py and
+infra/slice_scaler.py). Its inputs hold no secret: Google and Ray credentials are read where
+it runs, when it runs.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 from pulumi.runtime.rpc import UNKNOWN
 from ray.exceptions import AuthenticationError
 
-from infra import ray_jobs
+from infra import job_client, ray_jobs
 from infra.config import ROOT, parse
 from infra.resilience import FixedToken, GoogleTokens, RetryPolicy, Unreachable
 from infra.slice_scaler import SliceNotReady
@@ -33,7 +33,7 @@ def local_props(head, tiny_assets, storage, stack="t", **settings) -> dict:
 
 
 def jobs_on_head(head, prefix: str) -> list:
-    client = ray_jobs.connect(local_target(head.dashboard_url))
+    client = job_client.connect(local_target(head.dashboard_url))
     return sorted(
         (j.submission_id, str(j.status)) for j in client.list_jobs() if (j.submission_id or "").startswith(prefix)
     )
@@ -80,7 +80,7 @@ def test_failing_collectives_stop_the_pipeline_and_retry_as_new_attempts(ray_hea
 
 
 def test_delete_stops_a_running_job(ray_head):
-    client = ray_jobs.connect(local_target(ray_head.dashboard_url))
+    client = job_client.connect(local_target(ray_head.dashboard_url))
     submission_id = client.submit_job(
         entrypoint="python -c 'import time; time.sleep(120)'", submission_id="del-running-a1"
     )
@@ -185,11 +185,11 @@ def test_a_401_refreshes_the_token_once_then_counts(ray_head):
     revoked.token = "revoked-but-unexpired"
     tokens = GoogleTokens(credentials=revoked)
     with standin(ray_head, lambda t: t.startswith("tok-")) as proxy:
-        client = ray_jobs.connect(gke_target(proxy), tokens)
+        client = job_client.connect(gke_target(proxy), tokens)
         assert ray_jobs.job_status(client, "no-such-job") is None
     assert [r[2] for r in proxy.refused] == [401]  # once, then the refreshed token worked
     with standin(ray_head, "never") as proxy, pytest.raises(AuthenticationError):
-        ray_jobs.connect(gke_target(proxy), FixedToken("wrong"))
+        job_client.connect(gke_target(proxy), FixedToken("wrong"))
     assert [r[2] for r in proxy.refused] == [401, 401]  # one refresh-and-retry, then the answer stands
 
 
@@ -197,7 +197,7 @@ def test_a_proxy_that_stays_down_fails_after_the_budget_with_the_way_back(ray_he
     with standin(ray_head, mode="down") as proxy:
         started = time.monotonic()
         with pytest.raises(Unreachable) as err:
-            ray_jobs.connect(gke_target(proxy), FixedToken("k8s-bearer"), RetryPolicy(budget_s=2, base_s=0.2))
+            job_client.connect(gke_target(proxy), FixedToken("k8s-bearer"), RetryPolicy(budget_s=2, base_s=0.2))
     assert 2 <= time.monotonic() - started < 10
     message = str(err.value)
     assert "/api/version kept failing for 2s (last: HTTP 503)" in message
@@ -208,8 +208,8 @@ def test_a_proxy_that_stays_down_fails_after_the_budget_with_the_way_back(ray_he
 def test_a_403_fails_at_once(ray_head):
     with standin(ray_head, mode="forbidden") as proxy:
         started = time.monotonic()
-        with pytest.raises(ray_jobs.Refused, match="HTTP 403, refused: .*services proxy is forbidden"):
-            ray_jobs.connect(gke_target(proxy), FixedToken("k8s-bearer"), RetryPolicy(budget_s=60))
+        with pytest.raises(job_client.Refused, match="HTTP 403, refused: .*services proxy is forbidden"):
+            job_client.connect(gke_target(proxy), FixedToken("k8s-bearer"), RetryPolicy(budget_s=60))
     assert time.monotonic() - started < 5 and len(proxy.refused) == 1
 
 
@@ -263,7 +263,7 @@ def test_an_interrupt_leaves_job_and_slice_up_and_the_next_up_attaches(ray_head,
         time.sleep(6)
         assert f"[collectives] {job_id} is already RUNNING; attaching to it" in logged
         assert tpu.patches == [1]  # the slice was up: no scale-up, and no scale-down under the job
-        ray_jobs.connect(local_target(ray_head.dashboard_url)).stop_job(job_id)
+        job_client.connect(local_target(ray_head.dashboard_url)).stop_job(job_id)
         attach.join(60)
     assert "ended STOPPED" in str(second["error"]) and tpu.patches == [1, 0]
 
@@ -272,13 +272,13 @@ def test_ray_token_goes_in_the_header_ray_reads_behind_proxies(monkeypatch, tmp_
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    assert ray_jobs.ray_auth_headers() == {}
+    assert job_client.ray_auth_headers() == {}
     (tmp_path / ".ray").mkdir()
     (tmp_path / ".ray" / "auth_token").write_text("from-file\n")
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    assert ray_jobs.ray_auth_headers() == {"X-Ray-Authorization": "Bearer from-file"}
+    assert job_client.ray_auth_headers() == {"X-Ray-Authorization": "Bearer from-file"}
     monkeypatch.setenv("RAY_AUTH_TOKEN", "from-env")
-    assert ray_jobs.ray_auth_headers() == {"X-Ray-Authorization": "Bearer from-env"}
+    assert job_client.ray_auth_headers() == {"X-Ray-Authorization": "Bearer from-env"}
 
 
 def test_code_hash_follows_the_uploaded_job_code(tmp_path):
@@ -386,7 +386,7 @@ class TailOnlyClient:
 
 def test_the_log_follower_prints_each_line_once_from_bounded_tails():
     client, printed = TailOnlyClient(), []
-    follower = ray_jobs.LogFollower(client, "job-a1", "[j]", printed.append, lines=10)
+    follower = job_client.LogFollower(client, "job-a1", "[j]", printed.append, lines=10)
     assert follower.poll(None) == "" and printed == []  # no driver yet, no request
     client.log = "same\nloading 0%\rloading 100%\n"
     follower.poll("node")
@@ -468,4 +468,8 @@ def test_delete_scales_the_slice_down(ray_head):
         props = {"target": gke_target(proxy), "slice": slice_props(tpu), "poll_s": 1, "job_ids": {}}
         ray_jobs.stop_active(props, {}, tokens=FixedToken("k8s-bearer"))
         ray_jobs.release_slice(props, tokens=FixedToken("k8s-bearer"))
-    assert tpu.patches == [0]
+        assert tpu.patches == [0]
+        logged: list[str] = []
+        props["slice"]["ray_cluster"] = "deleted-by-hand"  # destroy must not stall on it
+        ray_jobs.release_slice(props, log=logged.append, tokens=FixedToken("k8s-bearer"))
+    assert logged[-1] == "TPU slice: nothing to scale down: RayCluster default/deleted-by-hand does not exist"
