@@ -7,7 +7,7 @@ one table: real tokens/s and their ratio, steps per epoch, the loss after each e
 have then seen the same records, so the same real tokens) and the checkpoint stall.
 
     python -m bench.finetune                 # the full bench, a few minutes on 2 cores
-    python -m bench.finetune --rows 48 --epochs 1 --seq-len 128 --size tiny   # a smoke run
+    python -m bench.finetune --rows 48 --epochs 1 --size tiny   # a smoke run
 """
 
 from __future__ import annotations

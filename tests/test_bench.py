@@ -13,13 +13,13 @@ def test_the_dolly_mix_pads_like_dolly_with_gemma(tmp_path):
 
 def test_bench_smoke_prints_the_side_by_side_table(ray_head, tmp_path, capsys):
     out = bench.main(
-        ["--out", str(tmp_path), "--size", "tiny", "--rows", "48", "--epochs", "1", "--seq-len", "128"], head=ray_head
+        ["--out", str(tmp_path), "--size", "tiny", "--rows", "48", "--epochs", "1", "--seq-len", "512"], head=ray_head
     )
     printed = capsys.readouterr().out
     walk, pack = out["results"].values()
     assert walk["metrics"]["packing"] is False and pack["metrics"]["packing"] is True
     # the walkthrough's recipe: one record per padded row, so every record is a row
-    assert walk["metrics"]["steps"] == 48 // (2 * 4) and walk["metrics"]["real_token_share"] < 0.6
+    assert walk["metrics"]["steps"] == 48 // (2 * 4) and walk["metrics"]["real_token_share"] < 0.5
     assert pack["metrics"]["steps"] < walk["metrics"]["steps"]  # the same records in fewer, fuller rows
     assert pack["metrics"]["real_token_share"] > 0.9
     assert out["ratio"] == pack["metrics"]["real_tokens_per_s"] / walk["metrics"]["real_tokens_per_s"]
