@@ -220,7 +220,7 @@ def test_a_live_address_file_is_joined(ray_head, stale_ray_tmpdir, monkeypatch):
 
 def test_readme_cpu_commands_run_verbatim(ray_head, tiny_assets, stale_ray_tmpdir, tmp_path):
     """The by-hand commands, as written: the first next to a stale address file (a killed head's,
-    as `make local` could leave it), the second next to a live one (as `ray start` leaves it)."""
+    as `make local` could leave it), the second with a live cluster named in RAY_ADDRESS."""
     import os
 
     commands = readme_cpu_commands()
@@ -230,17 +230,15 @@ def test_readme_cpu_commands_run_verbatim(ray_head, tiny_assets, stale_ray_tmpdi
     (tmp_path / ".venv").symlink_to(sys.prefix)
     (tmp_path / ".local").mkdir()
     (tmp_path / ".local" / "assets").symlink_to(Path(tiny_assets["model"]).parent)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(stale_ray_tmpdir)}
-    address_file = stale_ray_tmpdir / "ray" / "ray_current_cluster"
-    for command, live in zip(commands, (None, ray_head.address), strict=True):
-        if live:
-            address_file.write_text(live)
+    base = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_TMPDIR")}
+    stale = base | {"RAY_TMPDIR": str(stale_ray_tmpdir)}
+    for command, env in zip(commands, (stale, ray_head.client_env()), strict=True):
         done = subprocess.run(
             ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400
         )
         assert done.returncode == 0, command + "\n" + done.stdout[-3000:] + done.stderr[-3000:]
         assert parse_result(done.stdout) is not None
-        assert ("ignoring the stale Ray address" in done.stdout) is (live is None)
+        assert ("ignoring the stale Ray address" in done.stdout) is (env is stale)
 
 
 def test_a_stopped_head_forgets_its_address_but_not_anothers(stale_ray_tmpdir, monkeypatch):
