@@ -17,6 +17,7 @@ import pulumi.dynamic as dynamic
 from infra import ray_jobs
 from infra.config import StackConfig
 from infra.raycluster import DASHBOARD_PORT, head_service
+from infra.resilience import RetryPolicy
 
 CHECKPOINT_PREFIX = "ray_train_torchtpu"
 OUTPUT_KEYS = (
@@ -25,7 +26,7 @@ OUTPUT_KEYS = (
 # How to reach the head and how long to wait: changing them does not re-run anything.
 REACH_KEYS = ("target", "timeout_s", "poll_s", "retry_budget_s", "slice")
 # How long a call to the head may keep failing (connection errors, 5xx) before `up` gives up.
-RETRY_BUDGET_S = 600
+RETRY_BUDGET_S = RetryPolicy.budget_s
 
 
 def training_settings(cfg: StackConfig) -> dict:
