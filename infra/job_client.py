@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from infra.kube_api import RERUN_HINT
+from infra.kube_api import RERUN_HINT, api_server_url
 from infra.resilience import GoogleTokens, RetryPolicy, TokenSource, Unreachable, call_with_retries
 
 LOG_FETCH_LINES = 1000  # the most of a job's log fetched per poll
@@ -119,9 +119,9 @@ def connect(target: dict, tokens: TokenSource | None = None, policy: RetryPolicy
         with tempfile.NamedTemporaryFile("wb", suffix=".crt", delete=False) as ca:
             ca.write(base64.b64decode(target["ca_certificate"]))
         verify = ca.name
-    endpoint = target["endpoint"]
-    api_server = endpoint if "://" in endpoint else f"https://{endpoint}"
-    address = service_proxy_address(api_server, target["namespace"], target["service"], target["port"])
+    address = service_proxy_address(
+        api_server_url(target["endpoint"]), target["namespace"], target["service"], target["port"]
+    )
     return job_client(address, headers, verify, tokens or GoogleTokens(), policy, log)
 
 

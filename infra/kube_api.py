@@ -70,5 +70,10 @@ class KubeApi:
         return self.request("GET", path, timeout=timeout)
 
 
-def for_gke(endpoint: str, ca_certificate_b64: str, tokens: TokenSource | None = None) -> KubeApi:
-    return KubeApi(f"https://{endpoint}", tokens or GoogleTokens(), ca_certificate_b64)
+def api_server_url(endpoint: str) -> str:
+    """GKE gives the endpoint as a bare address; a local stand-in's comes with its scheme."""
+    return endpoint if "://" in endpoint else f"https://{endpoint}"
+
+
+def for_gke(endpoint: str, ca_certificate_b64: str) -> KubeApi:
+    return KubeApi(api_server_url(endpoint), GoogleTokens(), ca_certificate_b64)

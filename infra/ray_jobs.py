@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.job_client import Log, LogFollower, SubmitUncertain, connect, default_log
-from infra.kube_api import KubeApi
+from infra.kube_api import KubeApi, api_server_url
 from infra.resilience import GoogleTokens, RetryPolicy, TokenSource, Unreachable
 from infra.slice_scaler import NoRayCluster, SliceScaler
 
@@ -221,9 +221,8 @@ def slice_scaler(props: dict, tokens: TokenSource | None, policy: RetryPolicy, l
     target, tpu = props["target"], props.get("slice")
     if target["kind"] != "gke" or not tpu:
         return None
-    endpoint = target["endpoint"]
     api = KubeApi(
-        endpoint if "://" in endpoint else f"https://{endpoint}",
+        api_server_url(target["endpoint"]),
         tokens or GoogleTokens(),
         target.get("ca_certificate"),
         policy,
