@@ -1,13 +1,19 @@
 """`make bench`: the walkthrough's fine-tune recipe against this project's default, side by side.
 
-Both recipes run the real job (jobs/ray_train_llm_finetune.py) on one local Ray head, with the
-same random Gemma 4 (`bench` size), the same Dolly-shaped data, seed, workers and flags; only
---no-packing (the walkthrough: one record per padded row) vs --packing differs. It prints
-one table: real tokens/s and their ratio, steps per epoch, the loss after each epoch (both
-have then seen the same records, so the same real tokens) and the checkpoint stall.
+Every run is the real job (jobs/ray_train_llm_finetune.py) on one local Ray head, with the
+same seed and workers. Two comparisons:
 
-    python -m bench.finetune                 # the full bench, a few minutes on 2 cores
-    python -m bench.finetune --rows 48 --epochs 1 --size tiny   # a smoke run
+1. Throughput: the same random Gemma 4 (`bench` size) and Dolly-shaped data under the
+   walkthrough's recipe (one record per padded row; every epoch rank 0 gathers the full model
+   and writes it: --no-packing --no-sharded-checkpoints) and the default (packed rows, sharded
+   checkpoints written in the background). One table: real tokens/s, steps per epoch, the loss
+   after each epoch (both have then seen the same records), and the checkpoint stall.
+2. Checkpoint stall: how long the training loop waits for each epoch's checkpoint, full gather
+   vs sharded, on a model big enough (`ckpt` size, ~120M parameters) for the write to matter;
+   only --no-sharded-checkpoints vs --sharded-checkpoints differs.
+
+    python -m bench.finetune                 # the full bench, several minutes on 2 cores
+    python -m bench.finetune --rows 48 --epochs 1 --size tiny --stall-size tiny   # a smoke run
 """
 
 from __future__ import annotations
@@ -23,7 +29,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "jobs" / "ray_train_llm_finetune.py"
 sys.path.insert(0, str(ROOT / "jobs"))
-RECIPES = {"walkthrough (padded)": "--no-packing", "default (packed)": "--packing"}
+RECIPES = {
+    "walkthrough": ("--no-packing", "--no-sharded-checkpoints"),
+    "default": ("--packing", "--sharded-checkpoints"),
+}
+CHECKPOINTS = {
+    "full gather": ("--packing", "--no-sharded-checkpoints"),
+    "sharded, async": ("--packing", "--sharded-checkpoints"),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,6 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", default="1e-3")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument(
+        "--stall-size",
+        default="ckpt",
+        help="model size for the checkpoint-stall comparison; the --size runs give it when the same",
+    )
+    p.add_argument("--stall-rows", type=int, default=8, help="records for it: a few steps per epoch")
     return p.parse_args(argv)
 
 
@@ -59,46 +78,60 @@ def real_share(assets: dict[str, str], seq_len: int) -> float:
     return real_token_share(docs, seq_len)
 
 
-def run_recipe(head, assets: dict[str, str], args: argparse.Namespace, flag: str) -> dict:
+def run_recipe(head, assets: dict[str, str], args: argparse.Namespace, name: str, flags: tuple[str, ...]) -> dict:
     from infra.ray_jobs import parse_result
 
     argv = [
         "--backend", "cpu", "--num-workers", str(args.workers), "--model", assets["model"],
         "--dataset", assets["dataset"], "--split", "train", "--epochs", str(args.epochs),
         "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--lr", args.lr, "--seed", "42",
-        "--storage-path", str(args.out / "runs"), "--run-name", f"{flag.strip('-')}-{time.time_ns()}", flag,
+        "--storage-path", str(args.out / "runs"), "--run-name", f"{name.replace(' ', '')}-{time.time_ns()}", *flags,
     ]  # fmt: skip
+    print(f"running {name} ({' '.join(flags)}) ...", flush=True)
     done = subprocess.run(
         [sys.executable, str(JOB), *argv], env=head.client_env(), capture_output=True, text=True, timeout=1800
     )
     result = parse_result(done.stdout)
     if done.returncode != 0 or result is None:
-        raise RuntimeError(f"the {flag} run failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"the {name} run failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     return result
 
 
-def table(results: dict[str, dict]) -> str:
-    (walk_name, walk), (pack_name, pack) = results.items()
-    rows = [("", walk_name, pack_name, "packed / padded")]
+def stall_runs(head, args: argparse.Namespace, results: dict[str, dict]) -> dict[str, dict]:
+    """Full gather vs sharded on the --stall-size model: the main runs when that is their model."""
+    if args.stall_size == args.size:
+        return dict(zip(CHECKPOINTS, results.values(), strict=True))
+    # A few short rows: the steps only have to outlast the background write they overlap.
+    stall_args = argparse.Namespace(**{**vars(args), "seq_len": 128, "batch_size": 1})
+    assets = make_assets(args.out, args.stall_size, args.stall_rows)
+    return {name: run_recipe(head, assets, stall_args, name, flags) for name, flags in CHECKPOINTS.items()}
 
-    def per_epoch(key: str, fmt: str, ratio: bool = False):
-        for w, p in zip(walk["history"], pack["history"], strict=True):
+
+def table(results: dict[str, dict], keys: list[tuple[str, str, bool]]) -> str:
+    """One row per epoch and key (name, format, with a ratio), one column per run, then their ratio."""
+    (first_name, first), (second_name, second) = results.items()
+    rows = [("", first_name, second_name, f"{second_name} / {first_name}")]
+    for key, fmt, ratio in keys:
+        for a, b in zip(first["history"], second["history"], strict=True):
             rows.append(
-                (f"epoch {w['epoch']}: {key}", format(w[key], fmt), format(p[key], fmt),
-                 f"{p[key] / w[key]:.2f}x" if ratio else "")
+                (f"epoch {a['epoch']}: {key}", format(a[key], fmt), format(b[key], fmt),
+                 f"{b[key] / a[key]:.2f}x" if ratio else "")
             )  # fmt: skip
-
-    per_epoch("real_tokens_per_s", ",.0f", ratio=True)
-    per_epoch("steps", "d")
-    per_epoch("real_token_share", ".1%")
-    per_epoch("loss", ".4f")
-    per_epoch("checkpoint_stall_s", ".2f")
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
+THROUGHPUT_ROWS = [
+    ("real_tokens_per_s", ",.0f", True),
+    ("steps", "d", False),
+    ("real_token_share", ".1%", False),
+    ("loss", ".4f", False),
+    ("checkpoint_stall_s", ".3f", True),
+]
+
+
 def main(argv: list[str] | None = None, head=None) -> dict:
-    """Runs the bench and prints its table; `head` is a running LocalRayHead to use instead of a new one."""
+    """Runs the bench and prints its tables; `head` is a running LocalRayHead to use instead of a new one."""
     from contextlib import nullcontext
 
     from infra.local_ray import LocalRayHead
@@ -109,23 +142,27 @@ def main(argv: list[str] | None = None, head=None) -> dict:
     assets = make_assets(args.out, args.size, args.rows)
     share = real_share(assets, args.seq_len)
     print(f"data: {args.rows} Dolly-shaped records; real tokens are {share:.1%} of padded positions at {args.seq_len}")
-    results = {}
     with nullcontext(head) if head else LocalRayHead(num_cpus=args.workers, log_dir=args.out) as head:
-        for name, flag in RECIPES.items():
-            print(f"running {name} ({flag}) ...", flush=True)
-            results[name] = run_recipe(head, assets, args, flag)
+        results = {name: run_recipe(head, assets, args, name, flags) for name, flags in RECIPES.items()}
+        stalls = stall_runs(head, args, results)
     walk, pack = results.values()
     ratio = pack["metrics"]["real_tokens_per_s"] / walk["metrics"]["real_tokens_per_s"]
+    full, sharded = stalls.values()
+    stall_ratio = sharded["metrics"]["checkpoint_stall_s"] / full["metrics"]["checkpoint_stall_s"]
     print(
         f"\n{args.size} Gemma 4, {args.workers} CPU workers (fp32), batch {args.batch_size}/worker, "
         f"seq {args.seq_len}, {args.epochs} epochs, seed 42; {platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}\n"
     )
-    print(table(results))
+    print(table(results, THROUGHPUT_ROWS))
+    print(f"\ncheckpoint stall, {args.stall_size} Gemma 4 (model and AdamW state sharded; full: the model only)\n")
+    print(table(stalls, [("checkpoint_stall_s", ".3f", True), ("epoch_time_s", ".2f", False)]))
     print(
-        f"\nlast epoch: packed gives {ratio:.2f}x the walkthrough's real tokens/s; bench took {time.monotonic() - started:.0f}s"
+        f"\nlast epoch: the default gives {ratio:.2f}x the walkthrough's real tokens/s; the sharded save "
+        f"stalls the loop {stall_ratio:.2f}x as long as the full gather (1/{1 / stall_ratio:.1f}); "
+        f"bench took {time.monotonic() - started:.0f}s"
     )
-    return {"share": share, "ratio": ratio, "results": results}
+    return {"share": share, "ratio": ratio, "stall_ratio": stall_ratio, "results": results, "stalls": stalls}
 
 
 if __name__ == "__main__":

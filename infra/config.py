@@ -53,6 +53,7 @@ JOB_LIMITS = {
     "sliceReadyTimeoutMinutes": (1440, "a day; GKE adds a slice within minutes when capacity exists"),
     "collectivesWorkers": (256, "local mode runs one CPU process per worker"),
     "finetuneWorkers": (256, "local mode runs one CPU process per worker"),
+    "maxFailures": (100, "each restart reloads the model; a run failing this often has a cause to fix first"),
 }
 
 
@@ -73,6 +74,8 @@ class JobSettings:
     batch_size: int
     seq_len: int
     packing: bool
+    sharded_checkpoints: bool
+    max_failures: int
     learning_rate: float
     timeout_minutes: int
     # local mode only
@@ -210,11 +213,11 @@ class _Reader:
 
         return bool(self.typed(name, cast))
 
-    def positive(self, name: str) -> int:
+    def positive(self, name: str, minimum: int = 1) -> int:
         n = self.typed(name, int)
         limit, why = JOB_LIMITS.get(name, (None, ""))
-        if n is not None and n <= 0:
-            self.problem(f"{key(name)}: {n} must be a positive integer")
+        if n is not None and n < minimum:
+            self.problem(f"{key(name)}: {n} must be {'a positive integer' if minimum == 1 else f'at least {minimum}'}")
         elif n is not None and limit is not None and n > limit:
             self.problem(f"{key(name)}: {n} is more than {limit} ({why})")
         return n or 0
@@ -351,6 +354,8 @@ def _job(r: _Reader, local: bool) -> JobSettings:
         batch_size=r.positive("batchSize"),
         seq_len=r.positive("seqLen"),
         packing=r.boolean("packing"),
+        sharded_checkpoints=r.boolean("shardedCheckpoints"),
+        max_failures=r.positive("maxFailures", minimum=0),
         learning_rate=_learning_rate(r),
         timeout_minutes=r.positive("jobTimeoutMinutes"),
         collectives_workers=r.positive("collectivesWorkers"),

@@ -56,7 +56,7 @@ class JobSpec:
         return shlex.join(["python", self.script, *self.args])
 
 
-def job_specs(settings: dict) -> list[JobSpec]:
+def job_specs(settings: dict, max_failures: int) -> list[JobSpec]:
     """The collectives check, then the fine-tune, with arguments from the stack's settings."""
     placement = ["--backend", settings["backend"]]
     if settings["backend"] == "tpu":
@@ -64,23 +64,31 @@ def job_specs(settings: dict) -> list[JobSpec]:
     collectives = [*placement]
     finetune = [*placement]
     if settings["backend"] != "tpu":
-        collectives += ["--num-workers", str(settings["collectives_workers"])]
-        finetune += ["--num-workers", str(settings["finetune_workers"])]
+        collectives += ["--num-workers", whole(settings["collectives_workers"])]
+        finetune += ["--num-workers", whole(settings["finetune_workers"])]
     finetune += [
         "--model", settings["model"],
         "--dataset", settings["dataset"],
         "--split", settings["dataset_split"],
-        "--epochs", str(settings["epochs"]),
-        "--batch-size", str(settings["batch_size"]),
-        "--seq-len", str(settings["seq_len"]),
+        "--epochs", whole(settings["epochs"]),
+        "--batch-size", whole(settings["batch_size"]),
+        "--seq-len", whole(settings["seq_len"]),
         "--packing" if settings["packing"] else "--no-packing",
+        "--sharded-checkpoints" if settings["sharded_checkpoints"] else "--no-sharded-checkpoints",
         "--lr", str(settings["learning_rate"]),
         "--storage-path", settings["storage_path"],
+        "--max-failures", whole(max_failures),
     ]  # fmt: skip
     return [
         JobSpec("collectives", "ray_core_collectives.py", tuple(collectives)),
         JobSpec("finetune", "ray_train_llm_finetune.py", tuple(finetune)),
     ]
+
+
+def whole(number: float) -> str:
+    """A count as the jobs' int flags parse it. A dynamic provider's inputs come back from
+    Pulumi's wire format with every number a float (pulumi/pulumi#13830): 3 arrives as 3.0."""
+    return str(int(number))
 
 
 # What a run is: change any of these and the jobs run again. How to reach the head and how
@@ -229,7 +237,7 @@ def slice_scaler(props: dict, tokens: TokenSource | None, policy: RetryPolicy, l
         log,
     )
     return SliceScaler(
-        api, target["namespace"], tpu["ray_cluster"], tpu["group"], tpu["hosts"], tpu["ready_timeout_s"],
+        api, target["namespace"], tpu["ray_cluster"], tpu["group"], int(tpu["hosts"]), tpu["ready_timeout_s"],
         poll_s=min(props["poll_s"], 10), log=log,
     )  # fmt: skip
 
@@ -249,7 +257,7 @@ def run_pipeline(props: dict, log: Log = default_log, tokens: TokenSource | None
     needs_slice = scaler.up if scaler else lambda: None
     results, ids, slice_hours = {}, {}, 0.0
     try:
-        for spec in job_specs(props["settings"]):
+        for spec in job_specs(props["settings"], props["max_failures"]):
             results[spec.name], ids[spec.name] = run_job(client, props, spec, policy, needs_slice, log)
     finally:
         # Not after an interrupt or an unreachable API server: a job may still be running on the slice.

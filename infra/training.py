@@ -23,8 +23,9 @@ CHECKPOINT_PREFIX = "ray_train_torchtpu"
 OUTPUT_KEYS = (
     "checkpoint", "checkpoints", "metrics", "history", "loss_curve", "collectives", "job_ids", "slice_hours",
 )  # fmt: skip
-# How to reach the head and how long to wait: changing them does not re-run anything.
-REACH_KEYS = ("target", "timeout_s", "poll_s", "retry_budget_s", "slice")
+# How to reach the head, how long to wait and how often to restart: changing them does not
+# re-run anything (max_failures reaches the next job submitted).
+REACH_KEYS = ("target", "timeout_s", "poll_s", "retry_budget_s", "slice", "max_failures")
 # How long a call to the head may keep failing (connection errors, 5xx) before `up` gives up.
 RETRY_BUDGET_S = RetryPolicy.budget_s
 
@@ -40,6 +41,7 @@ def training_settings(cfg: StackConfig) -> dict:
         "batch_size": job.batch_size,
         "seq_len": job.seq_len,
         "packing": job.packing,
+        "sharded_checkpoints": job.sharded_checkpoints,
         "learning_rate": job.learning_rate,
     }
     if cfg.local:
@@ -91,6 +93,7 @@ def training_props(cfg: StackConfig, target: dict, cluster: pulumi.Input[str], i
         "settings": training_settings(cfg),
         "target": target,
         "timeout_s": cfg.job.timeout_minutes * 60,
+        "max_failures": cfg.job.max_failures,
         "poll_s": 2 if cfg.local else 15,
         "retry_budget_s": RETRY_BUDGET_S,
         "slice": slice_settings(cfg),

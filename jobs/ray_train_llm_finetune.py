@@ -17,9 +17,13 @@ The walkthrough's flag names work too (--model-id, --dataset-split, --num-epochs
 full rows by default; --no-packing pads one record per row, exactly as the walkthrough does.
 CPU runs compute in fp32, TPU and CUDA in bf16 (--dtype overrides).
 
-Re-running with the same --run-name and --storage-path resumes from the latest checkpoint.
-Each checkpoint directory loads with AutoModelForCausalLM/AutoTokenizer.from_pretrained;
-the run's directory also gets metrics.jsonl and loss.png at the end.
+Re-running with the same --run-name and --storage-path resumes exactly where the latest
+checkpoint left off: weights, AdamW moments, RNG and data order. Inside one job, Ray Train
+restarts a failed worker group from that checkpoint up to --max-failures times.
+Each epoch every rank writes its own shard (torch.distributed.checkpoint, in the background);
+after the last epoch the run gets one from_pretrained directory, <run>/model (checkpoints.py
+shows the layout). --no-sharded-checkpoints keeps the walkthrough's per-epoch full gather.
+The run's directory also gets metrics.jsonl and loss.png at the end.
 The last line is `JOB_RESULT_JSON: {...}` with the checkpoint path(s) and final metrics.
 """
 
@@ -29,8 +33,8 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from backend import (
@@ -43,10 +47,20 @@ from backend import (
     get_backend,
     resolve_num_workers,
 )
+from checkpoints import (
+    EXPORT_DIR,
+    ShardedCheckpointer,
+    committer,
+    epoch_dir_name,
+    export_pretrained,
+    is_sharded,
+    read_state,
+    uri,
+    write_state,
+)
 from sft_data import examples, is_local, load_instructions, model_inputs, pack_rows, tokenize_records
 from utilisation import describe, mfu, model_flops_per_token
 
-STATE_FILE = "train_state.json"
 METRICS_FILE, LOSS_PLOT = "metrics.jsonl", "loss.png"
 
 
@@ -84,6 +98,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="local path or gs://BUCKET/prefix (default: $STORAGE_PATH, else ~/ray_results)",
     )
     p.add_argument("--run-name", default=None, help="default: torchtpu_gemma4_fsdp2_sft_<unix time>")
+    p.add_argument(
+        "--sharded-checkpoints",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="per epoch, every rank writes its shard of model and optimizer (default); "
+        "--no-sharded-checkpoints: rank 0 gathers and writes the full model, as the walkthrough does",
+    )
+    p.add_argument(
+        "--async-checkpoint",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write the sharded checkpoint while the next epoch trains (default)",
+    )
+    p.add_argument(
+        "--max-failures", type=int, default=3, help="worker-group restarts from the latest checkpoint, per job"
+    )
     return p.parse_args(argv)
 
 
@@ -130,20 +160,6 @@ def apply_fsdp(model, mesh, ignored: set, dtype: str = "bfloat16"):
     return model
 
 
-def save_checkpoint(model, tokenizer, frozen_name: str, frozen, directory: str, state: dict) -> None:
-    """Gather the full state (all ranks), then rank 0 writes a from_pretrained-ready directory."""
-    import ray.train
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    state_dict = get_model_state_dict(model, options=options)
-    if ray.train.get_context().get_world_rank() == 0:
-        state_dict[frozen_name] = frozen.detach().cpu()
-        model.save_pretrained(directory, state_dict=state_dict)
-        tokenizer.save_pretrained(directory)
-        Path(directory, STATE_FILE).write_text(json.dumps(state))
-
-
 # ---- the per-worker loop ----------------------------------------------------------------------
 
 
@@ -160,8 +176,6 @@ def train_loop_per_worker(config: dict) -> None:
     import ray.train
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AutoTokenizer
 
     backend = get_backend(config["backend"])
     backend.prepare()
@@ -171,38 +185,34 @@ def train_loop_per_worker(config: dict) -> None:
     device = backend.device()
     torch.manual_seed(config["seed"])
 
-    start_epoch, source, history = 0, config["model"], []
     restored = ray.train.get_checkpoint()
-    with restored.as_directory() if restored else tempfile.TemporaryDirectory() as restored_dir:
-        if restored:
-            state = json.loads(Path(restored_dir, STATE_FILE).read_text())
-            start_epoch, history, source = state["epoch"], state["history"], restored_dir
-            print(f"[rank {rank}] resuming from {restored.path} after epoch {start_epoch}", flush=True)
-        tokenizer = AutoTokenizer.from_pretrained(config["tokenizer"] or source, token=os.environ.get("HF_TOKEN"))
-        model = load_model(source, dtype)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-
-    frozen = freeze_per_layer_embeddings(model)
+    # (a checkpoint from before `attempt` and `world_size` were recorded lacks them)
+    state = {"epoch": 0, "history": [], "attempt": 0, "world_size": world} | (read_state(restored) if restored else {})
+    model, tokenizer, optimizer = build(config, backend, dtype, world, restored)
+    checkpointer = ShardedCheckpointer(model, optimizer, rank, config["async_checkpoint"])
+    if restored:
+        if is_sharded(restored):
+            checkpointer.load(uri(config["storage_path"], restored.path), same_world=state["world_size"] == world)
+        print(
+            f"[rank {rank}] resuming from {restored.path} after epoch {state['epoch']} "
+            f"(attempt {state['attempt'] + 1})",
+            flush=True,
+        )
+    state |= {"attempt": state["attempt"] + 1, "world_size": world}
+    frozen = language_model(model).embed_tokens_per_layer.weight
     frozen_name = next(n for n, p in model.named_parameters() if p is frozen)
-    seq_len = config["seq_len"]
-    flops_per_token = model_flops_per_token(*describe(model), seq_len)
-    model.to(device)
-    mesh = init_device_mesh(backend.device_type, (world,))
-    apply_fsdp(model, mesh, ignored={frozen}, dtype=dtype)
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=config["lr"], weight_decay=config["weight_decay"]
-    )
+    flops_per_token = model_flops_per_token(*describe(model), config["seq_len"])
 
     data = load_instructions(config["dataset"], config["split"])
-    rows = examples(data, tokenizer, seq_len, config["packing"], config["seed"])
+    rows = examples(data, tokenizer, config["seq_len"], config["packing"], config["seed"])
+    # The order is a function of (seed, epoch): restoring the epoch restores it.
     sampler = torch.utils.data.DistributedSampler(
         rows, num_replicas=world, rank=rank, shuffle=True, seed=config["seed"], drop_last=True
     )
     loader = torch.utils.data.DataLoader(rows, batch_size=config["batch_size"], sampler=sampler, drop_last=True)
 
     model.train()
-    for epoch in range(start_epoch, config["epochs"]):
+    for epoch in range(state["epoch"], config["epochs"]):
         sampler.set_epoch(epoch)
         started = time.perf_counter()
         loss, real_tokens, steps = train_epoch(model, optimizer, loader, config["packing"], device)
@@ -216,19 +226,100 @@ def train_loop_per_worker(config: dict) -> None:
             "model_tflops_per_s_per_device": model_flops_per_device / 1e12,
             "mfu": mfu(model_flops_per_device, peak_flops_per_device(config)),
             "dtype": dtype,
+            "attempt": state["attempt"],
         }
-        stall_started = time.perf_counter()
-        with tempfile.TemporaryDirectory() as out_dir:
-            save_checkpoint(
-                model, tokenizer, frozen_name, frozen, out_dir, {"epoch": epoch + 1, "history": [*history, metrics]}
-            )
-            checkpoint = ray.train.Checkpoint.from_directory(out_dir) if rank == 0 else None
-            # The gather and the write; Ray's copy into the run's storage (inside report) comes on top.
-            metrics["checkpoint_stall_s"] = time.perf_counter() - stall_started
-            history.append(metrics)
-            ray.train.report(metrics, checkpoint=checkpoint)
+        if config["sharded_checkpoints"]:
+            save_sharded(checkpointer, config, metrics, state)
+        else:
+            save_full(model, tokenizer, frozen_name, frozen, metrics, state)
         if rank == 0:
             print(json.dumps({"rank": 0, **metrics}), flush=True)
+    checkpointer.close()
+    if config["sharded_checkpoints"]:
+        storage = ctx.get_storage()
+        target = f"{storage.experiment_fs_path}/{EXPORT_DIR}"
+        export_pretrained(model, tokenizer, frozen_name, frozen, storage.storage_filesystem, target)
+
+
+def build(config: dict, backend, dtype: str, world: int, restored):
+    """Model (FSDP2 over all ranks, per-layer table frozen), tokenizer and AdamW.
+
+    Weights come from --model, or from a walkthrough-style (full) checkpoint being resumed;
+    a sharded checkpoint is loaded on top afterwards.
+    """
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoTokenizer
+
+    full = restored is not None and not is_sharded(restored)
+    with restored.as_directory() if full else nullcontext(None) as restored_dir:
+        source = restored_dir or config["model"]
+        tokenizer = AutoTokenizer.from_pretrained(config["tokenizer"] or source, token=os.environ.get("HF_TOKEN"))
+        model = load_model(source, dtype)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    frozen = freeze_per_layer_embeddings(model)
+    model.to(backend.device())
+    apply_fsdp(model, init_device_mesh(backend.device_type, (world,)), ignored={frozen}, dtype=dtype)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=config["lr"], weight_decay=config["weight_decay"]
+    )
+    return model, tokenizer, optimizer
+
+
+def save_sharded(checkpointer: ShardedCheckpointer, config: dict, metrics: dict, state: dict) -> None:
+    """Every rank writes its shard straight into the run's storage; all ranks report it.
+
+    Ray registers the checkpoint once this rank's write has finished (the upload function waits
+    for it, in Ray's upload thread), so a restart never resumes from a half-written one.
+    """
+    import ray.train
+    from ray.train import CheckpointUploadMode
+
+    storage = ray.train.get_context().get_storage()
+    name = epoch_dir_name(metrics["epoch"])
+    directory = f"{storage.experiment_fs_path}/{name}"
+    stall_started = time.perf_counter()
+    written = checkpointer.save(uri(config["storage_path"], directory))
+    metrics["checkpoint_stall_s"] = time.perf_counter() - stall_started
+    state |= {"epoch": metrics["epoch"], "history": [*state["history"], metrics]}
+    ray.train.report(
+        metrics,
+        checkpoint=ray.train.Checkpoint(directory, filesystem=storage.storage_filesystem),
+        checkpoint_dir_name=name,
+        checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+        delete_local_checkpoint_after_upload=False,  # it is the checkpoint in storage, not a local copy
+        checkpoint_upload_fn=committer(
+            written, storage.storage_filesystem, dict(state) if checkpointer.rank == 0 else None
+        ),
+    )
+
+
+def save_full(model, tokenizer, frozen_name: str, frozen, metrics: dict, state: dict) -> None:
+    """The walkthrough's checkpoint: the full model gathered on rank 0, written as a from_pretrained
+    directory, `checkpoint_<timestamp>`, into the run's storage; all of it holds up the loop.
+
+    Rank 0 copies it into storage itself (what Ray's synchronous upload would do inside report),
+    so the stall measured is the whole wait and train_state.json can hold it.
+    """
+    import ray.train
+    from ray.train import CheckpointUploadMode
+
+    ctx = ray.train.get_context()
+    storage = ctx.get_storage()
+    name = storage.make_default_checkpoint_dir_name()
+    directory = f"{storage.experiment_fs_path}/{name}"
+    stall_started = time.perf_counter()
+    export_pretrained(model, tokenizer, frozen_name, frozen, storage.storage_filesystem, directory)
+    metrics["checkpoint_stall_s"] = time.perf_counter() - stall_started
+    state |= {"epoch": metrics["epoch"], "history": [*state["history"], metrics]}
+    checkpoint = None
+    if ctx.get_world_rank() == 0:
+        write_state(storage.storage_filesystem, directory, state)
+        checkpoint = ray.train.Checkpoint(directory, filesystem=storage.storage_filesystem)
+    ray.train.report(
+        metrics, checkpoint=checkpoint, checkpoint_dir_name=name, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD
+    )
 
 
 def train_epoch(model, optimizer, loader, packing: bool, device):
@@ -301,6 +392,8 @@ def check_inputs(args: argparse.Namespace) -> int:
     for flag in ("epochs", "batch_size", "seq_len"):
         if getattr(args, flag) < 1:
             raise JobInputError(f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)})")
+    if args.max_failures < 0:
+        raise JobInputError(f"--max-failures must be 0 or more (got {args.max_failures}; 0 fails on the first error)")
     data = load_instructions(args.dataset, args.split)
     rows = count_rows(args, data)
     if rows < workers * args.batch_size:
@@ -354,19 +447,13 @@ def write_run_report(storage_path: str, run_name: str, history: list[dict]) -> d
     for name, payload in files.items():
         with fs.open_output_stream(f"{run_dir}/{name}") as f:
             f.write(payload)
-    return {name: checkpoint_uri(storage_path, f"{run_dir}/{name}") for name in files}
-
-
-def checkpoint_uri(storage_path: str, path: str) -> str:
-    """Ray reports paths inside the filesystem; give users the full URI back."""
-    scheme = storage_path.split("://", 1)[0] + "://" if "://" in storage_path else ""
-    return path if path.startswith(scheme) else scheme + path
+    return {name: uri(storage_path, f"{run_dir}/{name}") for name in files}
 
 
 def run(args: argparse.Namespace) -> dict:
     workers = check_inputs(args)
     connect_ray(workers)
-    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     backend = get_backend(args.backend)
@@ -392,22 +479,23 @@ def run(args: argparse.Namespace) -> dict:
             checkpoint_config=CheckpointConfig(
                 num_to_keep=1, checkpoint_score_attribute="loss", checkpoint_score_order="min"
             ),
+            # A dead worker (a preempted host, a crash) restarts the group from the latest checkpoint.
+            failure_config=FailureConfig(max_failures=args.max_failures),
         ),
     )
     result = trainer.fit()
-    best = [checkpoint_uri(args.storage_path, c.path) for c, _ in (result.best_checkpoints or [])]
+    best = [uri(args.storage_path, c.path) for c, _ in (result.best_checkpoints or [])]
     final = result.checkpoint
     metrics = dict(result.metrics or {})
-    history = []
-    if final is not None:
-        with final.filesystem.open_input_stream(f"{final.path}/{STATE_FILE}") as f:
-            history = json.loads(f.read())["history"]
-    if history and history[-1]["epoch"] == metrics.get("epoch"):
-        history[-1] = metrics  # the checkpoint was written before its own stall was known
+    history = read_state(final)["history"] if final else []
     report = write_run_report(args.storage_path, run_name, history) if history else {}
+    if args.sharded_checkpoints:
+        loadable = f"{args.storage_path.rstrip('/')}/{run_name}/{EXPORT_DIR}"
+    else:
+        loadable = uri(args.storage_path, final.path) if final else None
     return {
         "run_name": run_name,
-        "checkpoint": checkpoint_uri(args.storage_path, final.path) if final else None,
+        "checkpoint": loadable,
         "checkpoints": best,
         "metrics": metrics,
         "history": history,

@@ -102,6 +102,9 @@ SIZES = {
              "head_dim": 32, "sliding_window": 64},
     "bench": {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 4,
               "head_dim": 64, "sliding_window": 128},
+    # ~120M parameters: big enough that writing a checkpoint takes real time, for the bench's stall table
+    "ckpt": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 8, "num_attention_heads": 8,
+             "head_dim": 128, "sliding_window": 128},
 }  # fmt: skip
 
 

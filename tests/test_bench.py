@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from bench import finetune as bench
 
 
@@ -12,9 +14,8 @@ def test_the_dolly_mix_pads_like_dolly_with_gemma(tmp_path):
 
 
 def test_bench_smoke_prints_the_side_by_side_table(ray_head, tmp_path, capsys):
-    out = bench.main(
-        ["--out", str(tmp_path), "--size", "tiny", "--rows", "48", "--epochs", "1", "--seq-len", "512"], head=ray_head
-    )
+    smoke = "--size tiny --stall-size tiny --rows 48 --epochs 1 --seq-len 512".split()
+    out = bench.main(["--out", str(tmp_path), *smoke], head=ray_head)
     printed = capsys.readouterr().out
     walk, pack = out["results"].values()
     assert walk["metrics"]["packing"] is False and pack["metrics"]["packing"] is True
@@ -23,6 +24,15 @@ def test_bench_smoke_prints_the_side_by_side_table(ray_head, tmp_path, capsys):
     assert pack["metrics"]["steps"] < walk["metrics"]["steps"]  # the same records in fewer, fuller rows
     assert pack["metrics"]["real_token_share"] > 0.9
     assert out["ratio"] == pack["metrics"]["real_tokens_per_s"] / walk["metrics"]["real_tokens_per_s"]
+    # the walkthrough's checkpoints: every epoch a full from_pretrained directory from rank 0
+    walk_checkpoint = Path(walk["checkpoint"])
+    assert walk_checkpoint.name.startswith("checkpoint_") and (walk_checkpoint / "model.safetensors").exists()
+    assert not list(walk_checkpoint.glob("*.distcp")) and walk["checkpoints"] == [walk["checkpoint"]]
+    # the default's: per-rank shards each epoch, one from_pretrained export at the end
+    assert Path(pack["checkpoint"]).name == "model" and (Path(pack["checkpoint"]) / "model.safetensors").exists()
+    assert len(list(Path(pack["checkpoints"][0]).glob("*.distcp"))) == 2
+    assert out["stall_ratio"] == pack["metrics"]["checkpoint_stall_s"] / walk["metrics"]["checkpoint_stall_s"]
     for row in ("epoch 1: real_tokens_per_s", "epoch 1: steps", "epoch 1: loss", "epoch 1: checkpoint_stall_s"):
         assert row in printed
-    assert "walkthrough (padded)" in printed and "default (packed)" in printed and "x the walkthrough's" in printed
+    assert "default / walkthrough" in printed and "x the walkthrough's" in printed
+    assert "sharded, async / full gather" in printed and "the sharded save stalls the loop" in printed

@@ -214,6 +214,9 @@ for value in (" ", "\n", "$(rm -rf /)", "train[5]", "train[:10", "train +", ""):
     )
 for name in ("epochs", "batchSize", "seqLen", "jobTimeoutMinutes"):
     BAD[f"huge {name}"] = ("v6e", {name: "9999999999999999999"}, f"gemma-tpu:{name}: 9999999999999999999 is more than")
+BAD["negative maxFailures"] = ("v6e", {"maxFailures": "-1"}, "gemma-tpu:maxFailures: -1 must be at least 0")
+BAD["huge maxFailures"] = ("v6e", {"maxFailures": "101"}, "gemma-tpu:maxFailures: 101 is more than 100")
+BAD["shardedCheckpoints not a boolean"] = ("v6e", {"shardedCheckpoints": "yes"}, "gemma-tpu:shardedCheckpoints: 'yes'")
 BAD["timeout over a week"] = (
     "v6e",
     {"jobTimeoutMinutes": "10081"},
@@ -259,6 +262,7 @@ GOOD_JOB_VALUES = {
     "epochs": ["1", "1000"],
     "batchSize": ["1", "1024"],
     "seqLen": ["8", "131072"],
+    "maxFailures": ["0", "3", "100"],
 }
 
 
@@ -273,11 +277,11 @@ def test_values_the_config_accepts_the_jobs_accept(name):
 
     for value in GOOD_JOB_VALUES[name]:
         cfg = config.parse({name: value}, stack="v6e", project="p", region=None, zone="us-east5-b", has_token=True)
-        finetune = job_specs(training_settings(cfg))[1]
+        finetune = job_specs(training_settings(cfg), cfg.job.max_failures)[1]
         args = parse_args(list(finetune.args))
         assert (args.model, args.dataset, args.split) == (cfg.job.model, cfg.job.dataset, cfg.job.dataset_split)
         assert (args.epochs, args.batch_size, args.seq_len) == (cfg.job.epochs, cfg.job.batch_size, cfg.job.seq_len)
-        assert args.lr == cfg.job.learning_rate
+        assert (args.lr, args.max_failures) == (cfg.job.learning_rate, cfg.job.max_failures)
         ReadInstruction.from_spec(args.split)
 
 

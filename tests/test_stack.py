@@ -249,6 +249,7 @@ def test_training_jobs_resource(run):
         "batch_size": 4,
         "seq_len": 512,
         "packing": True,
+        "sharded_checkpoints": True,
         "learning_rate": 2e-05,
         "storage_path": f"gs://demo-project-{run.stack}-checkpoints/ray_train_torchtpu",
     }
@@ -310,12 +311,28 @@ def test_specific_reservation(mode):
 
 
 @pytest.mark.parametrize("stack", STACKS)
-@pytest.mark.parametrize("packing", ["true", "false"])
-def test_packing_reaches_the_fine_tune_as_its_flag(stack, packing):
+@pytest.mark.parametrize("walkthrough", [False, True])
+def test_the_recipe_reaches_the_fine_tune_as_its_flags(stack, walkthrough):
+    """packing and shardedCheckpoints false give the walkthrough's recipe; maxFailures is passed on."""
+    from ray_core_collectives import parse_args as collectives_parse_args
+    from ray_train_llm_finetune import parse_args as ft_parse_args
+
     from infra.ray_jobs import job_specs
 
-    run = run_program(stack, stack_config(stack, packing=packing))
-    settings = run.one("pulumi-python:dynamic:Resource", "training").inputs["settings"]
-    assert settings["packing"] is (packing == "true")
-    args = job_specs(settings)[1].args
-    assert ("--packing" in args, "--no-packing" in args) == ((True, False) if packing == "true" else (False, True))
+    flags = {"packing": "false", "shardedCheckpoints": "false", "maxFailures": "0"} if walkthrough else {}
+    run = run_program(stack, stack_config(stack, **flags))
+    training = run.one("pulumi-python:dynamic:Resource", "training").inputs
+    settings = training["settings"]
+    assert (settings["packing"], settings["sharded_checkpoints"]) == (not walkthrough, not walkthrough)
+    assert training["max_failures"] == (0 if walkthrough else 3)
+    collectives, finetune = job_specs(settings, training["max_failures"])
+    # as the jobs' own parsers read them, after Pulumi's wire format made every number a float
+    parsed = ft_parse_args(list(finetune.args))
+    assert (parsed.epochs, parsed.batch_size, parsed.seq_len) == (3, 4, 512)
+    assert parsed.max_failures == training["max_failures"] and parsed.packing is (not walkthrough)
+    assert collectives_parse_args(list(collectives.args)).topology == settings["topology"]
+    args = " ".join(finetune.args)
+    if walkthrough:
+        assert "--no-packing --no-sharded-checkpoints" in args and args.endswith("--max-failures 0")
+    else:
+        assert "--packing --sharded-checkpoints" in args and args.endswith("--max-failures 3")

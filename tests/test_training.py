@@ -58,8 +58,10 @@ def test_create_runs_both_jobs_and_a_second_create_attaches(ray_head, tiny_asset
     a, b = outcomes["first"], outcomes["second"]
     assert (a["checkpoint"], a["job_ids"], a["metrics"]) == (b["checkpoint"], b["job_ids"], b["metrics"])
     assert a["collectives"]["ok"] is True and a["collectives"]["world_size"] == 4
-    assert a["metrics"]["epoch"] == 1 and a["checkpoints"] == [a["checkpoint"]]
-    assert Path(a["checkpoint"]).is_relative_to(tmp_path) and (Path(a["checkpoint"]) / "model.safetensors").exists()
+    assert a["metrics"]["epoch"] == 1 and Path(a["checkpoint"]).is_relative_to(tmp_path)
+    # `checkpoint` is the from_pretrained export; `checkpoints` the Ray Train (sharded) ones
+    assert Path(a["checkpoint"]).name == "model" and (Path(a["checkpoint"]) / "model.safetensors").exists()
+    assert [Path(c).name for c in a["checkpoints"]] == ["checkpoint_epoch_0001"]
     assert set(a["job_ids"]) == {"collectives", "finetune"}
 
 
@@ -303,6 +305,7 @@ BASE = {
     "target": {"kind": "local", "address": "a"},
     "timeout_s": 60,
     "poll_s": 1,
+    "max_failures": 3,
 }
 
 
@@ -329,11 +332,13 @@ def test_diff_ignores_provider_code_and_outputs():
 
 
 def test_diff_updates_in_place_for_reach_and_patience():
-    result = diff_props(BASE, {**BASE, "timeout_s": 120, "target": {"kind": "local", "address": "b"}})
+    changed = {"timeout_s": 120, "max_failures": 5, "target": {"kind": "local", "address": "b"}}
+    result = diff_props(BASE, {**BASE, **changed})
     assert result.changes is True and result.replaces == []
-    news = {**BASE, "timeout_s": 120, "checkpoint": None, "metrics": None}  # as the resource declares them
+    news = {**BASE, **changed, "checkpoint": None, "metrics": None}  # as the resource declares them
     outs = _TrainingJobsProvider().update("id", {**BASE, "checkpoint": "/x", "metrics": {"loss": 1}}, news).outs
-    assert outs["checkpoint"] == "/x" and outs["metrics"] == {"loss": 1} and outs["timeout_s"] == 120
+    assert outs["checkpoint"] == "/x" and outs["metrics"] == {"loss": 1}
+    assert (outs["timeout_s"], outs["max_failures"]) == (120, 5)
 
 
 def test_local_stack_declares_only_the_jobs():

@@ -1,0 +1,118 @@
+"""The checkpoint helpers without a Ray run: the commit order, URIs, and the gs:// dependency."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+import pyarrow.fs
+from checkpoints import STATE_FILE, committer, uri
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_checkpoint_gets_its_state_file_only_once_its_shards_are_written(tmp_path):
+    """Ray registers what the upload function returns: it must not return before the write ends."""
+    written: Future = Future()
+    commit = committer(written, pyarrow.fs.LocalFileSystem(), {"epoch": 2})
+    checkpoint = type("Checkpoint", (), {"path": str(tmp_path)})()
+    returned = []
+    thread = threading.Thread(target=lambda: returned.append(commit(checkpoint, "checkpoint_epoch_0002")))
+    thread.start()
+    thread.join(0.3)
+    assert thread.is_alive() and not (tmp_path / STATE_FILE).exists()
+    written.set_result(None)
+    thread.join(5)
+    assert returned == [checkpoint] and json.loads((tmp_path / STATE_FILE).read_text()) == {"epoch": 2}
+
+
+def test_a_failed_write_is_never_committed(tmp_path):
+    written: Future = Future()
+    written.set_exception(OSError("bucket gone"))
+    commit = committer(written, pyarrow.fs.LocalFileSystem(), {"epoch": 2})
+    try:
+        commit(type("Checkpoint", (), {"path": str(tmp_path)})(), "x")
+    except OSError as err:
+        assert "bucket gone" in str(err)
+    else:
+        raise AssertionError("a failed write was committed")
+    assert not (tmp_path / STATE_FILE).exists()
+
+
+def test_uris_get_their_scheme_back():
+    assert uri("gs://bucket/prefix", "bucket/prefix/run/model") == "gs://bucket/prefix/run/model"
+    assert uri("gs://bucket/prefix", "gs://bucket/prefix/run") == "gs://bucket/prefix/run"
+    assert uri("/local/runs", "/local/runs/run/model") == "/local/runs/run/model"
+
+
+def pins(path: Path) -> dict[str, str]:
+    lines = [line.split("#")[0].strip() for line in path.read_text().splitlines()]
+    return dict(line.split("==") for line in lines if "==" in line)
+
+
+def test_gs_checkpoints_go_through_the_gcsfs_the_image_installs():
+    """DCP writes gs:// through fsspec, which needs gcsfs; the image pins what the tests run with."""
+    import fsspec
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    image, local = pins(ROOT / "image" / "requirements.txt"), pins(ROOT / "requirements.txt")
+    assert "gcsfs" in image
+    assert image == {name: local.get(name) for name in image}
+    assert fsspec.get_filesystem_class("gs").__module__.startswith("gcsfs")
+    assert FsspecWriter.validate_checkpoint_id("gs://bucket/ray_train_torchtpu/run/checkpoint_epoch_0001")
+
+
+def whole(tensor):
+    """A DTensor's full value (one rank here, so its only shard); a plain tensor as is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def test_a_backend_that_cannot_stage_falls_back_to_a_synchronous_save(tiny_assets, tmp_path, monkeypatch, capsys):
+    """One gloo rank: the async save's staging fails, the shard is written synchronously instead,
+    and it loads back into a fresh model and optimizer exactly."""
+    import ray_train_llm_finetune as ft
+    import torch
+    import torch.distributed as dist
+    from checkpoints import ShardedCheckpointer
+    from torch.distributed.checkpoint.staging import DefaultStager
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def cannot_stage(self, state_dict, **kwargs):
+        raise RuntimeError("cannot copy these tensors to the CPU")
+
+    def trained(steps: int):
+        torch.manual_seed(0)
+        model = ft.load_model(tiny_assets["model"], "float32")
+        table = ft.freeze_per_layer_embeddings(model)
+        ft.apply_fsdp(model, init_device_mesh("cpu", (1,)), ignored={table}, dtype="float32")
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        for _ in range(steps):
+            ids = torch.randint(0, 8, (2, 16))
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return model, optimizer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model, optimizer = trained(steps=2)
+        saver = ShardedCheckpointer(model, optimizer, rank=0, use_async=True)
+        monkeypatch.setattr(DefaultStager, "stage", cannot_stage)
+        saver.save(str(tmp_path / "checkpoint")).result()
+        assert "saving synchronously from now on" in capsys.readouterr().out and saver.use_async is False
+        assert (tmp_path / "checkpoint" / ".metadata").exists()
+
+        fresh_model, fresh_optimizer = trained(steps=0)
+        ShardedCheckpointer(fresh_model, fresh_optimizer, rank=0).load(str(tmp_path / "checkpoint"), same_world=True)
+        for (name, saved), restored in zip(model.state_dict().items(), fresh_model.state_dict().values(), strict=True):
+            assert torch.equal(whole(saved), whole(restored)), name
+        saved_moments = optimizer.state_dict()["state"]
+        restored_moments = fresh_optimizer.state_dict()["state"]
+        assert saved_moments.keys() == restored_moments.keys() and saved_moments
+        for key, moments in saved_moments.items():
+            for name in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(whole(moments[name]), whole(restored_moments[key][name])), (key, name)
+    finally:
+        dist.destroy_process_group()
