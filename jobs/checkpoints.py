@@ -8,7 +8,7 @@ training loop waits only while its shard is copied into CPU memory. A run direct
         checkpoint_epoch_0003/    one Ray Train checkpoint per kept epoch
             __0_0.distcp ...      DCP shards, one file per rank (model, AdamW moments, RNG)
             .metadata             DCP's index, written last by rank 0
-            train_state.json      epoch, per-epoch history, attempt; written once the shards are
+            train_state.json      epoch, per-epoch history, attempt; written once the shards are in
         model/                    the from_pretrained export after the last epoch
         metrics.jsonl, loss.png
 

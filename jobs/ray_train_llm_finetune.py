@@ -186,19 +186,9 @@ def train_loop_per_worker(config: dict) -> None:
     torch.manual_seed(config["seed"])
 
     restored = ray.train.get_checkpoint()
-    # (a checkpoint from before `attempt` and `world_size` were recorded lacks them)
-    state = {"epoch": 0, "history": [], "attempt": 0, "world_size": world} | (read_state(restored) if restored else {})
     model, tokenizer, optimizer = build(config, backend, dtype, world, restored)
     checkpointer = ShardedCheckpointer(model, optimizer, rank, config["async_checkpoint"])
-    if restored:
-        if is_sharded(restored):
-            checkpointer.load(uri(config["storage_path"], restored.path), same_world=state["world_size"] == world)
-        print(
-            f"[rank {rank}] resuming from {restored.path} after epoch {state['epoch']} "
-            f"(attempt {state['attempt'] + 1})",
-            flush=True,
-        )
-    state |= {"attempt": state["attempt"] + 1, "world_size": world}
+    state = resume(restored, checkpointer, config["storage_path"], rank, world)
     frozen = language_model(model).embed_tokens_per_layer.weight
     frozen_name = next(n for n, p in model.named_parameters() if p is frozen)
     flops_per_token = model_flops_per_token(*describe(model), config["seq_len"])
@@ -239,6 +229,21 @@ def train_loop_per_worker(config: dict) -> None:
         storage = ctx.get_storage()
         target = f"{storage.experiment_fs_path}/{EXPORT_DIR}"
         export_pretrained(model, tokenizer, frozen_name, frozen, storage.storage_filesystem, target)
+
+
+def resume(restored, checkpointer: ShardedCheckpointer, storage_path: str, rank: int, world: int) -> dict:
+    """The training state to go on from: a fresh one, or the restored checkpoint's, with its
+    shards (model, optimizer, RNG) loaded into place; `attempt` counts the starts."""
+    # (a checkpoint from before `attempt` and `world_size` were recorded lacks them)
+    state = {"epoch": 0, "history": [], "attempt": 0, "world_size": world} | (read_state(restored) if restored else {})
+    if restored:
+        if is_sharded(restored):
+            checkpointer.load(uri(storage_path, restored.path), same_world=state["world_size"] == world)
+        print(
+            f"[rank {rank}] resuming from {restored.path} after epoch {state['epoch']} (attempt {state['attempt'] + 1})",
+            flush=True,
+        )
+    return state | {"attempt": state["attempt"] + 1, "world_size": world}
 
 
 def build(config: dict, backend, dtype: str, world: int, restored):
