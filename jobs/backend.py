@@ -152,6 +152,12 @@ def connect_ray(cpus_wanted: int) -> None:
     )
 
 
+def worker_print(message: str) -> None:
+    """Print once from a Ray Train worker. Train patches `print` to log the line and also to
+    echo it when sys.stdout is wrapped, as it is in a Ray worker: every plain print showed twice."""
+    print(message, file=sys.__stdout__ or sys.stdout, flush=True)
+
+
 def print_result(result: dict) -> None:
     """The last line a job prints: what the job resource parses."""
     print(RESULT_PREFIX + json.dumps(result, sort_keys=True), flush=True)

@@ -23,6 +23,8 @@ import json
 import tempfile
 from concurrent.futures import Future
 
+from backend import worker_print
+
 STATE_FILE = "train_state.json"
 EXPORT_DIR = "model"
 DCP_INDEX = ".metadata"
@@ -121,10 +123,9 @@ class ShardedCheckpointer:
                 )
                 return self.pending
             except (RuntimeError, NotImplementedError) as err:  # raised while staging, before any write
-                print(
+                worker_print(
                     f"[rank {self.rank}] async checkpointing is not available on this backend ({err}); "
-                    "saving synchronously from now on",
-                    flush=True,
+                    "saving synchronously from now on"
                 )
                 self.close()
                 self.use_async = False

@@ -46,6 +46,7 @@ from backend import (
     exit_code,
     get_backend,
     resolve_num_workers,
+    worker_print,
 )
 from checkpoints import (
     EXPORT_DIR,
@@ -223,7 +224,7 @@ def train_loop_per_worker(config: dict) -> None:
         else:
             save_full(model, tokenizer, frozen_name, frozen, metrics, state)
         if rank == 0:
-            print(json.dumps({"rank": 0, **metrics}), flush=True)
+            worker_print(json.dumps({"rank": 0, **metrics}))
     checkpointer.close()
     if config["sharded_checkpoints"]:
         storage = ctx.get_storage()
@@ -239,9 +240,8 @@ def resume(restored, checkpointer: ShardedCheckpointer, storage_path: str, rank:
     if restored:
         if is_sharded(restored):
             checkpointer.load(uri(storage_path, restored.path), same_world=state["world_size"] == world)
-        print(
-            f"[rank {rank}] resuming from {restored.path} after epoch {state['epoch']} (attempt {state['attempt'] + 1})",
-            flush=True,
+        worker_print(
+            f"[rank {rank}] resuming from {restored.path} after epoch {state['epoch']} (attempt {state['attempt'] + 1})"
         )
     return state | {"attempt": state["attempt"] + 1, "world_size": world}
 

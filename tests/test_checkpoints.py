@@ -69,7 +69,7 @@ def whole(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def test_a_backend_that_cannot_stage_falls_back_to_a_synchronous_save(tiny_assets, tmp_path, monkeypatch, capsys):
+def test_a_backend_that_cannot_stage_falls_back_to_a_synchronous_save(tiny_assets, tmp_path, monkeypatch, capfd):
     """One gloo rank: the async save's staging fails, the shard is written synchronously instead,
     and it loads back into a fresh model and optimizer exactly."""
     import ray_train_llm_finetune as ft
@@ -101,7 +101,7 @@ def test_a_backend_that_cannot_stage_falls_back_to_a_synchronous_save(tiny_asset
         saver = ShardedCheckpointer(model, optimizer, rank=0, use_async=True)
         monkeypatch.setattr(DefaultStager, "stage", cannot_stage)
         saver.save(str(tmp_path / "checkpoint")).result()
-        assert "saving synchronously from now on" in capsys.readouterr().out and saver.use_async is False
+        assert "saving synchronously from now on" in capfd.readouterr().out and saver.use_async is False
         assert (tmp_path / "checkpoint" / ".metadata").exists()
 
         fresh_model, fresh_optimizer = trained(steps=0)
