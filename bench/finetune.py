@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -85,7 +86,7 @@ def run_recipe(head, assets: dict[str, str], args: argparse.Namespace, name: str
         "--backend", "cpu", "--num-workers", str(args.workers), "--model", assets["model"],
         "--dataset", assets["dataset"], "--split", "train", "--epochs", str(args.epochs),
         "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--lr", args.lr, "--seed", "42",
-        "--storage-path", str(args.out / "runs"), "--run-name", f"{name.replace(' ', '')}-{time.time_ns()}", *flags,
+        "--storage-path", str(args.out / "runs"), "--run-name", f"{re.sub(r'[^a-z]+', '-', name)}-{time.time_ns()}", *flags,
     ]  # fmt: skip
     print(f"running {name} ({' '.join(flags)}) ...", flush=True)
     done = subprocess.run(
