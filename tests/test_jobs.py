@@ -151,6 +151,23 @@ def test_a_run_stopped_after_epoch_1_resumes_exactly(ray_head, tiny_assets, doll
     assert losses(history) == pytest.approx(losses(finetune["result"]["history"]), rel=1e-4)
 
 
+def test_walkthrough_checkpoints_resume_weights_and_epoch(ray_head, tiny_assets, tmp_path):
+    """--no-sharded-checkpoints: rank 0's full from_pretrained directory per epoch, resumed from."""
+    args = [*finetune_args(tiny_assets, tiny_assets["dataset"], tmp_path, "walk"), "--no-sharded-checkpoints"]
+    first = run_job(ray_head, "ray_train_llm_finetune.py", *args, "--epochs", "1")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    second = run_job(ray_head, "ray_train_llm_finetune.py", *args, "--epochs", "2")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "after epoch 1 (attempt 2)" in second.stdout + second.stderr
+    result = parse_result(second.stdout)
+    assert [h["attempt"] for h in result["history"]] == [1, 2]
+    assert result["history"][0] == parse_result(first.stdout)["history"][0]  # restored, stall included
+    checkpoint = Path(result["checkpoint"])
+    assert checkpoint.name.startswith("checkpoint_") and result["checkpoints"] == [result["checkpoint"]]
+    assert (checkpoint / "model.safetensors").exists() and not list(checkpoint.glob("*.distcp"))
+    assert json.loads((checkpoint / "train_state.json").read_text())["epoch"] == 2
+
+
 def test_a_lost_worker_is_replaced_and_the_same_job_succeeds(ray_head, tiny_assets, dolly288, finetune, tmp_path):
     """Kill one RayTrainWorker mid-epoch 2: Ray Train restarts the group from epoch 1's checkpoint."""
     import os
