@@ -219,6 +219,8 @@ def train_loop_per_worker(config: dict) -> None:
             "dtype": dtype,
             "attempt": state["attempt"],
         }
+        # The checkpoints serialise `state` once their stall is in `metrics`.
+        state |= {"epoch": epoch + 1, "history": [*state["history"], metrics]}
         if config["sharded_checkpoints"]:
             save_sharded(checkpointer, config, metrics, state)
         else:
@@ -287,13 +289,13 @@ def save_sharded(checkpointer: ShardedCheckpointer, config: dict, metrics: dict,
     stall_started = time.perf_counter()
     written = checkpointer.save(uri(config["storage_path"], directory))
     metrics["checkpoint_stall_s"] = time.perf_counter() - stall_started
-    state |= {"epoch": metrics["epoch"], "history": [*state["history"], metrics]}
     ray.train.report(
         metrics,
         checkpoint=ray.train.Checkpoint(directory, filesystem=storage.storage_filesystem),
         checkpoint_dir_name=name,
         checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
         delete_local_checkpoint_after_upload=False,  # it is the checkpoint in storage, not a local copy
+        # a snapshot of state: the commit may run while the next epoch updates it
         checkpoint_upload_fn=committer(
             written, storage.storage_filesystem, dict(state) if checkpointer.rank == 0 else None
         ),
@@ -317,7 +319,6 @@ def save_full(model, tokenizer, frozen_name: str, frozen, metrics: dict, state: 
     stall_started = time.perf_counter()
     export_pretrained(model, tokenizer, frozen_name, frozen, storage.storage_filesystem, directory)
     metrics["checkpoint_stall_s"] = time.perf_counter() - stall_started
-    state |= {"epoch": metrics["epoch"], "history": [*state["history"], metrics]}
     checkpoint = None
     if ctx.get_world_rank() == 0:
         write_state(storage.storage_filesystem, directory, state)
