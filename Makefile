@@ -1,12 +1,12 @@
-# make test: every gate and test; make local: both jobs on a local Ray, on CPU;
-# make bench: the walkthrough's fine-tune recipe against the default, side by side.
+# make test: every gate and test; make test-fast: the in-process tests alone (the edit-test loop);
+# make local: both jobs on a local Ray, on CPU; make bench: the walkthrough's recipe against the default.
 # Both create and fill .venv themselves, so they work on a fresh machine.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: test lint local bench clean
+.PHONY: test test-fast lint local bench clean
 
 $(INSTALLED): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,11 @@ lint: $(INSTALLED)
 	$(BIN)/check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
+
+# Everything but the runs on a Ray head (the `e2e` marker): under a minute on 2 cores.
+test-fast: $(INSTALLED)
+	$(BIN)/python -m pytest -q -m "not e2e" --durations=5
 
 local: $(INSTALLED)
 	$(BIN)/python -m infra.local_run

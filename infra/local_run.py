@@ -23,10 +23,29 @@ from infra.training import _TrainingJobsProvider, local_target, training_props
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def local_config() -> config.StackConfig:
+def local_config(stack: str = "local", **overrides: str) -> config.StackConfig:
+    """Pulumi.local.yaml's settings (`overrides` replace some, as `pulumi config set` would)."""
     values = yaml.safe_load((ROOT / "Pulumi.local.yaml").read_text())["config"]
-    raw = {k.split(":", 1)[1]: str(v) for k, v in values.items() if k.startswith(f"{PROJECT}:")}
-    return config.parse(raw, stack="local", project=None, region=None, zone=None, has_token=False)
+    raw = {k.split(":", 1)[1]: str(v) for k, v in values.items() if k.startswith(f"{PROJECT}:")} | overrides
+    return config.parse(raw, stack=stack, project=None, region=None, zone=None, has_token=False)
+
+
+def run_jobs(cfg: config.StackConfig, dashboard_url: str) -> dict:
+    """The job resource's create(), as `pulumi up -s local` calls it; returns its outputs."""
+    props = training_props(cfg, local_target(dashboard_url), cluster="local", image="local")
+    return _TrainingJobsProvider().create(props).outs
+
+
+def print_outputs(outputs: dict) -> None:
+    collectives = outputs["collectives"]
+    print("\nOutputs (as `pulumi stack output` shows them for the cloud stacks):")
+    print(f"  checkpoint:  {outputs['checkpoint']}")
+    print(f"  metrics:     {json.dumps(outputs['metrics'], sort_keys=True)}")
+    print(f"  lossCurve:   {outputs['loss_curve']}  (metrics.jsonl beside it)")
+    print(f"  collectives: ok={collectives['ok']} world_size={collectives['world_size']} "
+          f"max_abs_diff={collectives['max_abs_diff']:.2e}")  # fmt: skip
+    print(f"  jobIds:      {json.dumps(outputs['job_ids'])}")
+    print(f"  sliceHours:  {outputs['slice_hours']}  (no TPU slice here)")
 
 
 def main() -> None:
@@ -43,18 +62,9 @@ def main() -> None:
     print(f"starting a Ray head on 127.0.0.1 (log: {logs / 'ray-head.log'})", flush=True)
     with LocalRayHead(log_dir=logs) as head:
         print(f"Ray dashboard: {head.dashboard_url}", flush=True)
-        props = training_props(cfg, local_target(head.dashboard_url), cluster="local", image="local")
-        outputs = _TrainingJobsProvider().create(props).outs
+        outputs = run_jobs(cfg, head.dashboard_url)
         print("stopping the Ray head", flush=True)
-    collectives = outputs["collectives"]
-    print("\nOutputs (as `pulumi stack output` shows them for the cloud stacks):")
-    print(f"  checkpoint:  {outputs['checkpoint']}")
-    print(f"  metrics:     {json.dumps(outputs['metrics'], sort_keys=True)}")
-    print(f"  lossCurve:   {outputs['loss_curve']}  (metrics.jsonl beside it)")
-    print(f"  collectives: ok={collectives['ok']} world_size={collectives['world_size']} "
-          f"max_abs_diff={collectives['max_abs_diff']:.2e}")  # fmt: skip
-    print(f"  jobIds:      {json.dumps(outputs['job_ids'])}")
-    print(f"  sliceHours:  {outputs['slice_hours']}  (no TPU slice here)")
+    print_outputs(outputs)
     print(f"done in {time.monotonic() - started:.0f}s")
 
 

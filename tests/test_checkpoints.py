@@ -116,3 +116,32 @@ def test_a_backend_that_cannot_stage_falls_back_to_a_synchronous_save(tiny_asset
                 assert torch.equal(whole(moments[name]), whole(restored_moments[key][name])), (key, name)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_walkthrough_checkpoint_restores_its_weights_and_epoch(tiny_assets, tmp_path, gloo_rank):
+    """--no-sharded-checkpoints: rank 0's full from_pretrained directory plus train_state.json; a run
+    restarted from it builds its model from those weights and goes on after its epoch."""
+    import pyarrow.fs
+    import ray.train
+    import ray_train_llm_finetune as ft
+    import torch
+    from backend import get_backend
+    from checkpoints import ShardedCheckpointer, export_pretrained, write_state
+
+    config = {"model": tiny_assets["model"], "tokenizer": None, "lr": 1e-2, "weight_decay": 0.0}
+    model, tokenizer, optimizer = ft.build(config, get_backend("cpu"), "float32", 1, None)
+    ids = torch.randint(0, 8, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    frozen = ft.language_model(model).embed_tokens_per_layer.weight
+    frozen_name = next(n for n, p in model.named_parameters() if p is frozen)
+    directory, local = str(tmp_path / "checkpoint_2026-12-03_10-00-00.000000"), pyarrow.fs.LocalFileSystem()
+    export_pretrained(model, tokenizer, frozen_name, frozen, local, directory)
+    write_state(local, directory, {"epoch": 1, "history": [{"epoch": 1}], "attempt": 1, "world_size": 1})
+
+    restored = ray.train.Checkpoint(directory)
+    again, _, again_optimizer = ft.build(config, get_backend("cpu"), "float32", 1, restored)
+    state = ft.resume(restored, ShardedCheckpointer(again, again_optimizer, 0), str(tmp_path), 0, 1)
+    assert (state["epoch"], state["attempt"], state["history"]) == (1, 2, [{"epoch": 1}])
+    for (name, trained), restarted in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(whole(trained), whole(restarted)), name

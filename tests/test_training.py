@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import re
 import threading
 import time
 from pathlib import Path
@@ -11,8 +12,8 @@ import pytest
 from pulumi.runtime.rpc import UNKNOWN
 from ray.exceptions import AuthenticationError
 
-from infra import job_client, ray_jobs
-from infra.config import ROOT, parse
+from infra import job_client, local_run, ray_jobs
+from infra.config import ROOT
 from infra.resilience import FixedToken, GoogleTokens, RetryPolicy, Unreachable
 from infra.slice_scaler import SliceNotReady
 from infra.training import _TrainingJobsProvider, diff_props, local_target, training_props
@@ -21,15 +22,18 @@ from tests.stack_harness import run_program, stack_config
 
 
 def local_props(head, tiny_assets, storage, stack="t", **settings) -> dict:
-    cfg = parse(
-        {"mode": "local", "model": tiny_assets["model"], "dataset": tiny_assets["dataset"], "datasetSplit": "train",
-         "epochs": "1", "seqLen": "64", "learningRate": "1e-3", "localStoragePath": str(storage), "jobTimeoutMinutes": "10"},
-        stack=stack, project=None, region=None, zone=None, has_token=False,
-    )  # fmt: skip
-    props = training_props(cfg, local_target(head.dashboard_url), cluster="local", image="local")
+    """The job resource's inputs as `make local` builds them (Pulumi.local.yaml), on the tiny assets."""
+    props = training_props(local_cfg(tiny_assets, storage, stack), local_target(head.dashboard_url), "local", "local")
     props["settings"].update(settings)
     props["poll_s"] = 1
     return props
+
+
+def local_cfg(tiny_assets, storage, stack: str):
+    return local_run.local_config(
+        stack=stack, model=tiny_assets["model"], dataset=tiny_assets["dataset"], datasetSplit="train", epochs="1",
+        seqLen="64", localStoragePath=str(storage), jobTimeoutMinutes="10",
+    )  # fmt: skip
 
 
 def jobs_on_head(head, prefix: str) -> list:
@@ -39,33 +43,9 @@ def jobs_on_head(head, prefix: str) -> list:
     )
 
 
-def test_create_runs_both_jobs_and_a_second_create_attaches(ray_head, tiny_assets, tmp_path):
-    props = local_props(ray_head, tiny_assets, tmp_path, stack="attach")
-    outcomes: dict[str, dict] = {}
-    first = threading.Thread(target=lambda: outcomes.update(first=_TrainingJobsProvider().create(props).outs))
-    first.start()
-    deadline = time.monotonic() + 120
-    while (
-        not any(s in ("RUNNING", "PENDING") for _, s in jobs_on_head(ray_head, "attach-"))
-        and time.monotonic() < deadline
-    ):
-        time.sleep(0.5)
-    outcomes["second"] = _TrainingJobsProvider().create(props).outs  # while the first is waiting
-    first.join(600)
-    assert not first.is_alive()
-    jobs = jobs_on_head(ray_head, "attach-")
-    assert [s for _, s in jobs] == ["SUCCEEDED", "SUCCEEDED"], jobs  # one collectives, one fine-tune: nothing twice
-    a, b = outcomes["first"], outcomes["second"]
-    assert (a["checkpoint"], a["job_ids"], a["metrics"]) == (b["checkpoint"], b["job_ids"], b["metrics"])
-    assert a["collectives"]["ok"] is True and a["collectives"]["world_size"] == 4
-    assert a["metrics"]["epoch"] == 1 and Path(a["checkpoint"]).is_relative_to(tmp_path)
-    # `checkpoint` is the from_pretrained export; `checkpoints` the Ray Train (sharded) ones
-    assert Path(a["checkpoint"]).name == "model" and (Path(a["checkpoint"]) / "model.safetensors").exists()
-    assert [Path(c).name for c in a["checkpoints"]] == ["checkpoint_epoch_0001"]
-    assert set(a["job_ids"]) == {"collectives", "finetune"}
-
-
-def test_failing_collectives_stop_the_pipeline_and_retry_as_new_attempts(ray_head, tiny_assets, tmp_path):
+def test_a_failing_check_stops_the_pipeline_then_retries_as_a_new_attempt_and_scales_down_once(
+    ray_head, tiny_assets, tmp_path
+):
     # 3 workers cannot split the 512-wide tensor-parallel layer: the check fails on the head.
     props = local_props(ray_head, tiny_assets, tmp_path, stack="fail", collectives_workers=3)
     with pytest.raises(ray_jobs.JobFailed) as err:
@@ -74,9 +54,13 @@ def test_failing_collectives_stop_the_pipeline_and_retry_as_new_attempts(ray_hea
     assert "[collectives] job fail-collectives-" in message and "-a1 ended FAILED" in message
     assert "must divide by the 3 workers" in message  # the job's own log tail
     assert [s for _, s in jobs_on_head(ray_head, "fail-")] == ["FAILED"]  # the fine-tune never went in
-    with pytest.raises(ray_jobs.JobFailed) as again:
-        _TrainingJobsProvider().create(props)
-    assert "-a2 ended FAILED" in str(again.value)
+    # the next `up`, on GKE with a slice to scale: a new attempt, and the slice back to 0 after it failed
+    tpu = FakeSlice("ray-torchtpu-cluster", "v6e-16", hosts=4)
+    with standin(ray_head, fake_slice=tpu) as proxy:
+        props["target"], props["slice"] = gke_target(proxy), slice_props(tpu)
+        with pytest.raises(ray_jobs.JobFailed) as again:
+            ray_jobs.run_pipeline(props, log=lambda _: None, tokens=FixedToken("k8s-bearer"))
+    assert "-a2 ended FAILED" in str(again.value) and tpu.patches == [1, 0]
     ids = [i for i, _ in jobs_on_head(ray_head, "fail-")]
     assert len(ids) == 2 and ids[0].endswith("-a1") and ids[1].endswith("-a2")
 
@@ -138,25 +122,51 @@ def young(lifetime_s: float):
     return lambda token: token.startswith("tok-") and time.time() - float(token.rsplit("-", 1)[1]) < lifetime_s
 
 
-def test_gke_path_survives_token_expiry_and_a_flaky_proxy_without_duplicate_jobs(ray_head, tiny_assets, tmp_path):
+def test_gke_path_survives_token_expiry_and_a_flaky_proxy_while_make_local_attaches(
+    ray_head, tiny_assets, tmp_path, capsys
+):
     """Through the service proxy: tokens that live 4 s, a run of much longer, a fifth of the requests
-    answered 503 or dropped, and the first submit's answer lost after the job went in."""
+    answered 503 or dropped, and the first submit's answer lost after the job went in. Meanwhile a
+    second `up` (make local's own path, straight to the head) attaches to the same jobs."""
     props = local_props(ray_head, tiny_assets, tmp_path, stack="gke")
     credentials = ShortLivedCredentials(lifetime_s=4)
     tokens = GoogleTokens(margin_s=1.5, credentials=credentials)
     logged: list[str] = []
+    outputs: dict[str, dict] = {}
     tpu = FakeSlice("ray-torchtpu-cluster", "v6e-16", hosts=4)
     with standin(
         ray_head, young(4), fault_share=0.2, max_faults=40, seed=3, drop_first_submit=True, fake_slice=tpu
     ) as proxy:
         props["target"], props["slice"] = gke_target(proxy), slice_props(tpu)
         started = time.monotonic()
-        outputs = ray_jobs.run_pipeline(props, log=logged.append, tokens=tokens)
+        first = threading.Thread(
+            target=lambda: outputs.update(gke=ray_jobs.run_pipeline(props, log=logged.append, tokens=tokens))
+        )
+        first.start()
+        deadline = time.monotonic() + 120
+        while not any(s in ("RUNNING", "PENDING") for _, s in jobs_on_head(ray_head, "gke-")):
+            assert time.monotonic() < deadline and first.is_alive()
+            time.sleep(0.5)
+        outputs["local"] = local_run.run_jobs(local_cfg(tiny_assets, tmp_path, "gke"), ray_head.dashboard_url)
+        first.join(600)
         took = time.monotonic() - started
-    assert outputs["collectives"]["ok"] and outputs["metrics"]["epoch"] == 1
+    assert not first.is_alive()
+    a, b = outputs["gke"], outputs["local"]
+    assert (a["checkpoint"], a["job_ids"], a["metrics"]) == (b["checkpoint"], b["job_ids"], b["metrics"])
+    assert a["collectives"]["ok"] and a["collectives"]["world_size"] == 4 and a["metrics"]["epoch"] == 1
+    # `checkpoint` is the from_pretrained export; `checkpoints` the Ray Train (sharded) ones
+    assert Path(a["checkpoint"]).name == "model" and (Path(a["checkpoint"]) / "model.safetensors").exists()
+    assert Path(a["checkpoint"]).is_relative_to(tmp_path)
+    assert [Path(c).name for c in a["checkpoints"]] == ["checkpoint_epoch_0001"]
+    assert re.search(
+        r"\[collectives\] gke-collectives-\S+-a1 is already (PENDING|RUNNING); attaching to it", capsys.readouterr().out
+    )
+    local_run.print_outputs(b)
+    printed = capsys.readouterr().out
+    assert f"checkpoint:  {b['checkpoint']}" in printed and "collectives: ok=True world_size=4" in printed
     assert took > 4 * 3 and len(credentials.issued) >= 3  # the run outlived several tokens
     # the slice came up host by host before the jobs, and went back to 0 once, after them
-    assert tpu.patches == [1, 0] and 0 < outputs["slice_hours"] < 4 * took / 3600 + 1e-3
+    assert tpu.patches == [1, 0] and 0 < a["slice_hours"] < 4 * took / 3600 + 1e-3
     progress = [line for line in logged if line.startswith("TPU slice: ")]
     assert progress[:3] == [
         "TPU slice: scaling worker group v6e-16 to 1 (4 hosts)",
@@ -243,7 +253,9 @@ def test_an_interrupt_leaves_job_and_slice_up_and_the_next_up_attaches(ray_head,
         while [s for _, s in jobs_on_head(ray_head, "intr-")] != ["RUNNING"]:
             assert time.monotonic() < deadline and provider.poll() is None
             time.sleep(0.5)
-        time.sleep(3)  # the provider is in its wait loop by now
+        while ": RUNNING" not in (tmp_path / "provider.log").read_text():  # the provider is in its wait loop
+            assert time.monotonic() < deadline and provider.poll() is None
+            time.sleep(0.2)
         provider.send_signal(signal.SIGINT)
         assert provider.wait(timeout=60) != 0
         output = (tmp_path / "provider.log").read_text()
@@ -262,8 +274,10 @@ def test_an_interrupt_leaves_job_and_slice_up_and_the_next_up_attaches(ray_head,
 
         attach = threading.Thread(target=create_again)
         attach.start()
-        time.sleep(6)
-        assert f"[collectives] {job_id} is already RUNNING; attaching to it" in logged
+        deadline = time.monotonic() + 60
+        while f"[collectives] {job_id} is already RUNNING; attaching to it" not in logged:
+            assert time.monotonic() < deadline and attach.is_alive(), logged
+            time.sleep(0.2)
         assert tpu.patches == [1]  # the slice was up: no scale-up, and no scale-down under the job
         job_client.connect(local_target(ray_head.dashboard_url)).stop_job(job_id)
         attach.join(60)
@@ -434,17 +448,10 @@ def scaled_run(head, tiny_assets, tmp_path, stack: str, tpu: FakeSlice, ready_ti
     return None, logged
 
 
-def test_a_failing_check_still_scales_the_slice_down_once(ray_head, tiny_assets, tmp_path):
-    tpu = FakeSlice("ray-torchtpu-cluster", "v6e-16", hosts=4)
-    err, _ = scaled_run(ray_head, tiny_assets, tmp_path, "sfail", tpu, collectives_workers=3)
-    assert isinstance(err, ray_jobs.JobFailed) and "ended FAILED" in str(err)
-    assert tpu.patches == [1, 0]
-
-
 def test_a_timed_out_job_is_stopped_and_the_slice_scaled_down_once(ray_head, tiny_assets, tmp_path):
     tpu = FakeSlice("ray-torchtpu-cluster", "v6e-16", hosts=4)
-    # 8 workers on the 4-CPU head never get their reservation: the job outlives its 5 s
-    err, _ = scaled_run(ray_head, tiny_assets, tmp_path, "stime", tpu, timeout_s=5, collectives_workers=8)
+    # 8 workers on the 4-CPU head never get their reservation: the job outlives its 2 s
+    err, _ = scaled_run(ray_head, tiny_assets, tmp_path, "stime", tpu, timeout_s=2, collectives_workers=8)
     assert isinstance(err, ray_jobs.JobFailed) and "has been stopped" in str(err)
     assert tpu.patches == [1, 0]
     deadline = time.monotonic() + 60  # stopping takes a moment
