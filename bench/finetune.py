@@ -4,10 +4,11 @@ Every run is the real job (jobs/ray_train_llm_finetune.py) on one local Ray head
 same seed and workers. Two comparisons:
 
 1. Throughput: the same random Gemma 4 (`bench` size) and Dolly-shaped data under the
-   walkthrough's recipe (one record per padded row; every epoch rank 0 gathers the full model
-   and writes it: --no-packing --no-sharded-checkpoints) and the default (packed rows, sharded
-   checkpoints written in the background). One table: real tokens/s, steps per epoch, the loss
-   after each epoch (both have then seen the same records), and the checkpoint stall.
+   walkthrough's recipe (--recipe walkthrough: one record per padded row in its text format, every
+   epoch rank 0 gathers the full model and writes it) and the default (packed rows in the chat
+   template, sharded checkpoints written in the background, a held-out eval). One table: real
+   tokens/s, steps per epoch, the loss after each epoch (over different tokens: the default masks
+   the prompt), and the checkpoint stall.
 2. Checkpoint stall: how long the training loop waits for each epoch's checkpoint, full gather
    vs sharded, on a model big enough (`ckpt` size, ~120M parameters) for the write to matter;
    only --no-sharded-checkpoints vs --sharded-checkpoints differs.
@@ -31,8 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "jobs" / "ray_train_llm_finetune.py"
 sys.path.insert(0, str(ROOT / "jobs"))
 RECIPES = {
-    "walkthrough": ("--no-packing", "--no-sharded-checkpoints"),
-    "default": ("--packing", "--sharded-checkpoints"),
+    "walkthrough": ("--recipe", "walkthrough"),
+    "default": ("--recipe", "default"),
 }
 CHECKPOINTS = {
     "full gather": ("--packing", "--no-sharded-checkpoints"),
@@ -65,17 +66,20 @@ def make_assets(out: Path, size: str, rows: int) -> dict[str, str]:
     model_dir, data_file = out / f"model-{size}", out / f"dolly-{rows}.jsonl"
     if not (model_dir / "config.json").exists():
         make_model(model_dir, vocab_size=len(make_tokenizer(model_dir)), size=size)
-    if not data_file.exists():
-        make_dataset(data_file, rows=rows, mix="dolly")
+    if not data_file.exists():  # and 1/16 more: the default recipe's held-out eval takes them
+        make_dataset(data_file, rows=rows + -(-rows // 16), mix="dolly")
     return {"model": str(model_dir), "dataset": str(data_file)}
 
 
 def real_share(assets: dict[str, str], seq_len: int) -> float:
-    from sft_data import load_instructions, real_token_share, tokenize_records
+    from render import conversation, render_text, tokenize
+    from sft_data import load_split, real_token_share
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(assets["model"])
-    docs = tokenize_records(load_instructions(assets["dataset"], "train"), tokenizer, seq_len)
+    records = load_split(assets["dataset"], "train").data
+    turns = [conversation(r, "instruction/context/response") for r in records]
+    docs = [tokenize(render_text(t), tokenizer, prompt_loss=True)[0][:seq_len] for t in turns]
     return real_token_share(docs, seq_len)
 
 
@@ -84,7 +88,7 @@ def run_recipe(head, assets: dict[str, str], args: argparse.Namespace, name: str
 
     argv = [
         "--backend", "cpu", "--num-workers", str(args.workers), "--model", assets["model"],
-        "--dataset", assets["dataset"], "--split", "train", "--epochs", str(args.epochs),
+        "--dataset", assets["dataset"], "--split", f"train[:{args.rows}]", "--epochs", str(args.epochs),
         "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--lr", args.lr, "--seed", "42",
         "--storage-path", str(args.out / "runs"), "--run-name", f"{re.sub(r'[^a-z]+', '-', name)}-{time.time_ns()}", *flags,
     ]  # fmt: skip
@@ -103,7 +107,7 @@ def stall_runs(head, args: argparse.Namespace, results: dict[str, dict]) -> dict
     if args.stall_size == args.size:
         return dict(zip(CHECKPOINTS, results.values(), strict=True))
     # A few short rows: the steps only have to outlast the background write they overlap.
-    stall_args = argparse.Namespace(**{**vars(args), "seq_len": 128, "batch_size": 1})
+    stall_args = argparse.Namespace(**{**vars(args), "seq_len": 128, "batch_size": 1, "rows": args.stall_rows})
     assets = make_assets(args.out, args.stall_size, args.stall_rows)
     return {name: run_recipe(head, assets, stall_args, name, flags) for name, flags in CHECKPOINTS.items()}
 

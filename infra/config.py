@@ -20,6 +20,7 @@ import yaml
 
 from infra import PROJECT, PULUMI_YAML
 from infra.tpu import GENERATIONS, TpuSlice, is_topology
+from jobs.recipe import RECIPES, SCHEDULES, with_recipe
 
 ROOT = PULUMI_YAML.parent
 MODES = ("standard", "autopilot", "local")
@@ -43,6 +44,11 @@ _PATH = re.compile(r"^(~|\.{1,2})?/?[A-Za-z0-9._+@=,-]+(/[A-Za-z0-9._+@=,-]+)*/?
 # The `datasets` split grammar: train, train[:1024], train[10%:], train+test (each part sliced or not).
 _SPLIT_PART = r"[A-Za-z0-9_]+(\[(-?\d+%?)?:(-?\d+%?)?\])?"
 _SPLIT = re.compile(rf"^{_SPLIT_PART}(\+{_SPLIT_PART})*$")
+# A slice of absolute record numbers (no %, no negatives): what can be checked for overlap at preview.
+_ABSOLUTE_PART = re.compile(r"^([A-Za-z0-9_]+)(?:\[(\d*):(\d*)\])?$")
+# --columns: NEW=OLD pairs onto the record formats' column names
+_COLUMNS = re.compile(r"^(messages|prompt|completion|instruction|context|response)=[^\s,=]+"
+                      r"(,(messages|prompt|completion|instruction|context|response)=[^\s,=]+)*$")  # fmt: skip
 
 # Upper bounds, each with why: values past them cannot be what a user meant.
 JOB_LIMITS = {
@@ -54,6 +60,8 @@ JOB_LIMITS = {
     "collectivesWorkers": (256, "local mode runs one CPU process per worker"),
     "finetuneWorkers": (256, "local mode runs one CPU process per worker"),
     "maxFailures": (100, "each restart reloads the model; a run failing this often has a cause to fix first"),
+    "gradAccum": (1024, "micro-batches per step; a global batch this large is rarely what a fine-tune wants"),
+    "lossChunk": (1048576, "tokens per chunk; more than a step holds is the full logits anyway"),
 }
 
 
@@ -73,11 +81,21 @@ class JobSettings:
     epochs: int
     batch_size: int
     seq_len: int
-    packing: bool
-    sharded_checkpoints: bool
     max_failures: int
     learning_rate: float
     timeout_minutes: int
+    recipe: str
+    grad_accum: int
+    # the recipe's keys (jobs/recipe.py): the stack's value, else the recipe's
+    packing: bool
+    sharded_checkpoints: bool
+    chat_template: bool
+    prompt_loss: bool
+    lr_schedule: str
+    warmup_ratio: float
+    max_grad_norm: float
+    eval_split: str
+    loss_chunk: int
     # local mode only
     collectives_workers: int
     finetune_workers: int
@@ -340,12 +358,8 @@ def _job(r: _Reader, local: bool) -> JobSettings:
                 f"{key(name)}: {text!r} must be a hub id (org/name) or a path, without whitespace, "
                 "control characters or shell syntax"
             )
-    split = r.value("datasetSplit")
-    if not is_split(split):
-        r.problem(
-            f"{key('datasetSplit')}: {split!r} is not a split expression such as train, train[:1024], "
-            "train[10%:] or train+test"
-        )
+    split = _split(r, "datasetSplit")
+    recipe = _recipe(r)
     job = JobSettings(
         model=r.value("model"),
         dataset=r.value("dataset"),
@@ -353,14 +367,15 @@ def _job(r: _Reader, local: bool) -> JobSettings:
         epochs=r.positive("epochs"),
         batch_size=r.positive("batchSize"),
         seq_len=r.positive("seqLen"),
-        packing=r.boolean("packing"),
-        sharded_checkpoints=r.boolean("shardedCheckpoints"),
         max_failures=r.positive("maxFailures", minimum=0),
         learning_rate=_learning_rate(r),
         timeout_minutes=r.positive("jobTimeoutMinutes"),
+        recipe=recipe,
+        grad_accum=r.positive("gradAccum"),
         collectives_workers=r.positive("collectivesWorkers"),
         finetune_workers=r.positive("finetuneWorkers"),
         local_storage_path=str(ROOT / r.value("localStoragePath")),
+        **_recipe_keys(r, recipe, split),
     )
     if local:
         # The local stack names files of this checkout; the jobs run elsewhere, so make them absolute.
@@ -369,6 +384,88 @@ def _job(r: _Reader, local: bool) -> JobSettings:
         if not is_http_url(address):
             r.problem(f"{key('rayAddress')}: {address!r} must be a Ray dashboard URL such as http://127.0.0.1:8265")
     return job
+
+
+def _split(r: _Reader, name: str) -> str:
+    split = r.value(name)
+    if not is_split(split):
+        r.problem(
+            f"{key(name)}: {split!r} is not a split expression such as train, train[:1024], train[10%:] or train+test"
+        )
+    return split
+
+
+def _recipe(r: _Reader) -> str:
+    recipe = r.value("recipe")
+    if recipe not in RECIPES:
+        r.problem(f"{key('recipe')}: {recipe!r} is not a recipe; allowed: {', '.join(RECIPES)}")
+        return "default"
+    return recipe
+
+
+# The recipe keys: config key -> (field, how to read it). Unset, a key takes the recipe's value.
+_RECIPE_KEYS = {
+    "packing": ("packing", "boolean"),
+    "shardedCheckpoints": ("sharded_checkpoints", "boolean"),
+    "chatTemplate": ("chat_template", "boolean"),
+    "promptLoss": ("prompt_loss", "boolean"),
+    "lrSchedule": ("lr_schedule", "text"),
+    "warmupRatio": ("warmup_ratio", "number"),
+    "maxGradNorm": ("max_grad_norm", "number"),
+    "evalSplit": ("eval_split", "text"),
+    "lossChunk": ("loss_chunk", "count"),
+}
+
+
+def _recipe_keys(r: _Reader, recipe: str, split: str) -> dict:
+    given = {}
+    for name, (field, kind) in _RECIPE_KEYS.items():
+        if r.raw.get(name) is None:
+            continue
+        read = {"boolean": r.boolean, "text": r.value, "number": lambda n: r.typed(n, float),
+                "count": lambda n: r.positive(n, minimum=0)}[kind]  # fmt: skip
+        given[field] = read(name)
+    values = with_recipe(given, recipe)
+    if values["lr_schedule"] not in SCHEDULES:
+        r.problem(f"{key('lrSchedule')}: {values['lr_schedule']!r} is not a schedule; allowed: {', '.join(SCHEDULES)}")
+    if values["warmup_ratio"] is not None and not 0 <= values["warmup_ratio"] < 1:
+        r.problem(
+            f"{key('warmupRatio')}: {values['warmup_ratio']} must be at least 0 and below 1 (a share of the steps)"
+        )
+    if values["max_grad_norm"] is not None and not values["max_grad_norm"] >= 0:
+        r.problem(f"{key('maxGradNorm')}: {values['max_grad_norm']} must be 0 (no clipping) or more")
+    _eval_split(r, values["eval_split"], split)
+    return {field: values[field] for field, _ in _RECIPE_KEYS.values()}
+
+
+def _eval_split(r: _Reader, eval_split: str, split: str) -> None:
+    """The held-out split: auto, none or a split expression that never overlaps the training one.
+    Checked here where the numbers are absolute; the job checks the rest against the data itself."""
+    if eval_split in ("auto", "none"):
+        parts = [_ABSOLUTE_PART.fullmatch(p) for p in split.split("+")]
+        if eval_split == "auto" and (len(parts) != 1 or (parts[0] and not parts[0].group(3))):
+            r.problem(
+                f"{key('evalSplit')}: auto holds out the records after the training slice, but "
+                f"{key('datasetSplit')} {split!r} has no end; set datasetSplit to a slice such as train[:95%] "
+                "and evalSplit to train[95%:], or evalSplit to none"
+            )
+        return
+    if not is_split(eval_split):
+        r.problem(
+            f"{key('evalSplit')}: {eval_split!r} is not auto, none or a split expression such as train[1024:1088]"
+        )
+        return
+    for held in (_ABSOLUTE_PART.fullmatch(p) for p in eval_split.split("+")):
+        for trained in (_ABSOLUTE_PART.fullmatch(p) for p in split.split("+")):
+            if held and trained and held.group(1) == trained.group(1):
+                a, b = int(held.group(2) or 0), int(held.group(3)) if held.group(3) else math.inf
+                c, d = int(trained.group(2) or 0), int(trained.group(3)) if trained.group(3) else math.inf
+                if a < d and c < b:
+                    r.problem(
+                        f"{key('evalSplit')}: {eval_split!r} overlaps {key('datasetSplit')} {split!r}; "
+                        "held-out records must not be trained on"
+                    )
+                    return
 
 
 def parse(

@@ -41,11 +41,17 @@ def print_outputs(outputs: dict) -> None:
     print("\nOutputs (as `pulumi stack output` shows them for the cloud stacks):")
     print(f"  checkpoint:  {outputs['checkpoint']}")
     print(f"  metrics:     {json.dumps(outputs['metrics'], sort_keys=True)}")
+    print("  losses:      " + "; ".join(epoch_losses(h) for h in outputs["history"]))
     print(f"  lossCurve:   {outputs['loss_curve']}  (metrics.jsonl beside it)")
     print(f"  collectives: ok={collectives['ok']} world_size={collectives['world_size']} "
           f"max_abs_diff={collectives['max_abs_diff']:.2e}")  # fmt: skip
     print(f"  jobIds:      {json.dumps(outputs['job_ids'])}")
     print(f"  sliceHours:  {outputs['slice_hours']}  (no TPU slice here)")
+
+
+def epoch_losses(epoch: dict) -> str:
+    held_out = f", eval {epoch['eval_loss']:.4f}" if epoch.get("eval_loss") is not None else ""
+    return f"epoch {epoch['epoch']}: train {epoch['loss']:.4f}{held_out}"
 
 
 def main() -> None:

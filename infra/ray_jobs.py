@@ -67,15 +67,24 @@ def job_specs(settings: dict, max_failures: int) -> list[JobSpec]:
         collectives += ["--num-workers", whole(settings["collectives_workers"])]
         finetune += ["--num-workers", whole(settings["finetune_workers"])]
     finetune += [
+        "--recipe", settings["recipe"],
         "--model", settings["model"],
         "--dataset", settings["dataset"],
         "--split", settings["dataset_split"],
+        "--eval-split", settings["eval_split"],
         "--epochs", whole(settings["epochs"]),
         "--batch-size", whole(settings["batch_size"]),
+        "--grad-accum", whole(settings["grad_accum"]),
         "--seq-len", whole(settings["seq_len"]),
-        "--packing" if settings["packing"] else "--no-packing",
-        "--sharded-checkpoints" if settings["sharded_checkpoints"] else "--no-sharded-checkpoints",
+        switch("packing", settings["packing"]),
+        switch("chat-template", settings["chat_template"]),
+        switch("prompt-loss", settings["prompt_loss"]),
         "--lr", str(settings["learning_rate"]),
+        "--lr-schedule", settings["lr_schedule"],
+        "--warmup-ratio", str(settings["warmup_ratio"]),
+        "--max-grad-norm", str(settings["max_grad_norm"]),
+        "--loss-chunk", whole(settings["loss_chunk"]),
+        switch("sharded-checkpoints", settings["sharded_checkpoints"]),
         "--storage-path", settings["storage_path"],
         "--max-failures", whole(max_failures),
     ]  # fmt: skip
@@ -83,6 +92,10 @@ def job_specs(settings: dict, max_failures: int) -> list[JobSpec]:
         JobSpec("collectives", "ray_core_collectives.py", tuple(collectives)),
         JobSpec("finetune", "ray_train_llm_finetune.py", tuple(finetune)),
     ]
+
+
+def switch(flag: str, on: bool) -> str:
+    return f"--{flag}" if on else f"--no-{flag}"
 
 
 def whole(number: float) -> str:
@@ -242,7 +255,9 @@ def slice_scaler(props: dict, tokens: TokenSource | None, policy: RetryPolicy, l
     )  # fmt: skip
 
 
-def run_pipeline(props: dict, log: Log = default_log, tokens: TokenSource | None = None) -> dict:
+def run_pipeline(
+    props: dict, log: Log = default_log, tokens: TokenSource | None = None, policy: RetryPolicy | None = None
+) -> dict:
     """Collectives check, and only if it passes the fine-tune; returns the resource's outputs.
 
     With a scaler, the slice comes up before the first job that needs it and goes back to 0
@@ -250,7 +265,7 @@ def run_pipeline(props: dict, log: Log = default_log, tokens: TokenSource | None
     says which job keeps running and re-raises: nothing is stopped or scaled down, and the next
     `pulumi up` attaches to that job.
     """
-    policy = retry_policy(props)
+    policy = policy or retry_policy(props)
     tokens = tokens or (GoogleTokens() if props["target"]["kind"] == "gke" else None)
     client = connect(props["target"], tokens, policy, log)
     scaler = slice_scaler(props, tokens, policy, log)

@@ -18,6 +18,7 @@ from infra import ray_jobs
 from infra.config import StackConfig
 from infra.raycluster import DASHBOARD_PORT, head_service
 from infra.resilience import RetryPolicy
+from jobs.recipe import RECIPE_KEYS
 
 CHECKPOINT_PREFIX = "ray_train_torchtpu"
 OUTPUT_KEYS = (
@@ -40,9 +41,10 @@ def training_settings(cfg: StackConfig) -> dict:
         "epochs": job.epochs,
         "batch_size": job.batch_size,
         "seq_len": job.seq_len,
-        "packing": job.packing,
-        "sharded_checkpoints": job.sharded_checkpoints,
         "learning_rate": job.learning_rate,
+        "recipe": job.recipe,
+        "grad_accum": job.grad_accum,
+        **{name: getattr(job, name) for name in RECIPE_KEYS},
     }
     if cfg.local:
         return settings | {

@@ -57,6 +57,31 @@ class Backend:
         # Ray gives each TPU worker exactly one device, so it is always index 0 in-process.
         return torch.device(self.device_type)
 
+    def reset_peak_memory(self) -> None:
+        """Start a new high-water mark (for the next epoch's `peak_memory_gib`)."""
+        import torch
+
+        if self.name == "cpu":
+            _clear_resident_peak()
+            return
+        try:
+            torch.accelerator.memory.reset_peak_memory_stats()
+        except (AttributeError, NotImplementedError, RuntimeError):
+            pass  # the backend keeps no statistics; peak_memory_gib says None
+
+    def peak_memory_gib(self) -> float | None:
+        """This process's high-water mark of device memory since the last reset: the backend's
+        allocator peak (torch.accelerator, which CUDA and registered backends such as TorchTPU
+        implement); on CPU the resident set's (VmHWM), which counts everything the process holds."""
+        import torch
+
+        if self.name == "cpu":
+            return _resident_peak_bytes() / 2**30
+        try:
+            return torch.accelerator.memory.max_memory_allocated() / 2**30
+        except (AttributeError, NotImplementedError, RuntimeError):
+            return None
+
     def prepare(self) -> None:
         """Per-process setup, before the first collective."""
         if self.name == "tpu":
@@ -65,6 +90,26 @@ class Backend:
             import torch
 
             torch.cuda.set_device(self.device())
+
+
+def _clear_resident_peak() -> None:
+    """Linux resets VmHWM to the current resident size when "5" is written to clear_refs."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _resident_peak_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 BACKENDS = {

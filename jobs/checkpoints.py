@@ -166,27 +166,28 @@ class ShardedCheckpointer:
             torch.set_rng_state(state[f"rng_rank{self.rank}"])
 
 
-def save_pretrained(model, tokenizer, frozen_name: str, frozen, directory: str) -> None:
-    """Gather the full state (all ranks take part), then rank 0 writes a from_pretrained directory."""
+def save_pretrained(model, tokenizer, directory: str) -> None:
+    """Gather the full state (all ranks take part; frozen parameters too), then rank 0 writes a
+    from_pretrained directory: weights, config, generation config, tokenizer with its chat template."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    # full + cpu_offload: only rank 0 receives the tensors, in CPU memory
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state_dict = get_model_state_dict(model, options=options)
     if dist.get_rank() == 0:
-        state_dict[frozen_name] = frozen.detach().cpu()
         model.save_pretrained(directory, state_dict=state_dict)
         tokenizer.save_pretrained(directory)
 
 
-def export_pretrained(model, tokenizer, frozen_name: str, frozen, filesystem, target: str) -> None:
+def export_pretrained(model, tokenizer, filesystem, target: str) -> None:
     """A from_pretrained directory at `target` in the run's storage (pyarrow `filesystem`): written
     locally by rank 0 after the gather, then copied. A sharded run does this once, at the end."""
     import pyarrow.fs
     import torch.distributed as dist
 
     with tempfile.TemporaryDirectory() as local:
-        save_pretrained(model, tokenizer, frozen_name, frozen, local)
+        save_pretrained(model, tokenizer, local)
         if dist.get_rank() == 0:
             filesystem.create_dir(target, recursive=True)
             pyarrow.fs.copy_files(local, target, destination_filesystem=filesystem)

@@ -105,9 +105,7 @@ class CollectivesWorker:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def run(self, master_addr: str, master_port: int, world: int, args: dict) -> dict:
-        import torch
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
 
         os.environ.update(
             MASTER_ADDR=master_addr,
@@ -120,31 +118,36 @@ class CollectivesWorker:
         self.backend.prepare()
         dist.init_process_group(backend=self.backend.dist_backend, init_method="env://")
         try:
-            device = self.backend.device()
-            reference = make_ffn(args["hidden"], args["expansion"], args["reference_seed"])
-            torch.manual_seed(args["seed"] + 1)
-            x = torch.randn(args["batch"], args["hidden"])
-            with torch.no_grad():
-                expected = reference(x)
-                mesh = init_device_mesh(self.backend.device_type, (world,))
-                sharded = apply_tp(make_ffn(args["hidden"], args["expansion"], args["seed"]).to(device), mesh)
-                got = sharded(x.to(device)).cpu()
-            max_diff = (got - expected).abs().max().item()
-            parity = torch.allclose(got, expected, rtol=RTOL, atol=ATOL)
-
-            t = torch.full((4,), float(self.rank + 1), device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-            total = t.cpu()
-            want = world * (world + 1) / 2
-            return {
-                **self.identity(),
-                "sum": total[0].item(),
-                "sum_ok": bool(torch.all(total == want)),
-                "max_diff": max_diff,
-                "parity_ok": bool(parity),
-            }
+            return {**self.identity(), **check_rank(self.backend, self.rank, world, args)}
         finally:
             dist.destroy_process_group()
+
+
+def check_rank(backend, rank: int, world: int, args: dict) -> dict:
+    """One rank's part, in an initialised process group: the sharded block against its CPU reference,
+    and an all-reduce of rank + 1."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = backend.device()
+    reference = make_ffn(args["hidden"], args["expansion"], args["reference_seed"])
+    torch.manual_seed(args["seed"] + 1)
+    x = torch.randn(args["batch"], args["hidden"])
+    with torch.no_grad():
+        expected = reference(x)
+        mesh = init_device_mesh(backend.device_type, (world,))
+        sharded = apply_tp(make_ffn(args["hidden"], args["expansion"], args["seed"]).to(device), mesh)
+        got = sharded(x.to(device)).cpu()
+    max_diff = (got - expected).abs().max().item()
+    parity = torch.allclose(got, expected, rtol=RTOL, atol=ATOL)
+
+    t = torch.full((4,), float(rank + 1), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    total = t.cpu()
+    want = world * (world + 1) / 2
+    return {"sum": total[0].item(), "sum_ok": bool(torch.all(total == want)), "max_diff": max_diff,
+            "parity_ok": bool(parity)}  # fmt: skip
 
 
 def reserve(args, world: int):
@@ -214,24 +217,30 @@ def run_check(args: argparse.Namespace) -> dict:
             f"node_ip={r['node_ip']} sum={r['sum']} max_diff={r['max_diff']:.5f}",
             flush=True,
         )
-    expected_sum = world * (world + 1) / 2
-    ok = all(r["sum_ok"] and r["parity_ok"] for r in results)
-    summary = {
-        "ok": ok,
+    summary = summarise(results, world, args.backend)
+    print(verdict(summary), flush=True)
+    return summary
+
+
+def summarise(results: list[dict], world: int, backend: str) -> dict:
+    return {
+        "ok": all(r["sum_ok"] and r["parity_ok"] for r in results),
         "world_size": world,
-        "backend": args.backend,
-        "expected_sum": expected_sum,
+        "backend": backend,
+        "expected_sum": world * (world + 1) / 2,
         "sums_ok": all(r["sum_ok"] for r in results),
         "parity_ok": all(r["parity_ok"] for r in results),
         "max_abs_diff": max(r["max_diff"] for r in results),
     }
-    print(
-        f"{'PASS' if ok else 'FAIL'}: {world} ranks, all-reduce sum {expected_sum} "
-        f"{'on every rank' if summary['sums_ok'] else 'NOT on every rank'}, "
-        f"tensor-parallel parity {'holds' if summary['parity_ok'] else 'BROKEN'} (max |diff| {summary['max_abs_diff']:.5f})",
-        flush=True,
+
+
+def verdict(summary: dict) -> str:
+    return (
+        f"{'PASS' if summary['ok'] else 'FAIL'}: {summary['world_size']} ranks, all-reduce sum "
+        f"{summary['expected_sum']} {'on every rank' if summary['sums_ok'] else 'NOT on every rank'}, "
+        f"tensor-parallel parity {'holds' if summary['parity_ok'] else 'BROKEN'} "
+        f"(max |diff| {summary['max_abs_diff']:.5f})"
     )
-    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

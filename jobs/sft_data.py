@@ -1,7 +1,7 @@
-"""Instruction data for the fine-tune: load, render, tokenize, then pad (the walkthrough) or pack.
+"""The fine-tune's data: load, check, split, render, then pad (the walkthrough) or pack.
 
 Every example is four tensors of shape [seq_len]: input_ids, real (1 on document tokens,
-0 on padding or filler), labels (-100 where nothing is predicted) and position_ids.
+0 on padding or filler), labels (IGNORE where nothing is trained) and position_ids.
 
 - Padded (the walkthrough): one record per row, padded to seq_len; the model gets an
   attention_mask (= real) and default positions.
@@ -10,20 +10,28 @@ Every example is four tensors of shape [seq_len]: input_ids, real (1 on document
   block-diagonal causal mask, in full and sliding-window layers alike
   (masking_utils.find_packed_sequence_indices), so no token sees another record;
   tests/test_packing.py checks a record's logits inside a packed row against its logits alone.
+
+Data comes from a hub id (with --dataset-config), a local file, directory or glob, or gs://
+files and globs (through gcsfs, with the pod's Workload Identity). Splits use the `datasets`
+grammar, resolved here to absolute record ranges so that the held-out eval split can be checked
+against the training one, and every error names the file and the row.
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 import os
 import random
-from pathlib import Path
+from dataclasses import dataclass, field
 
 from backend import JobInputError
+from recipe import IGNORE, predicted_tokens
+from render import RecordError, conversation, detect_format, render, tokenize
 
-COLUMNS = ("instruction", "response")
 LOCAL_DATA = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-IGNORE = -100  # the label of a position whose next token is not trained on
+EVAL_SHARE = 16  # the default eval split: the 1/16 as many records right after the training slice
+OVERLONG = ("truncate", "drop")
 
 
 def is_local(ref: str) -> bool:
@@ -31,47 +39,234 @@ def is_local(ref: str) -> bool:
     return os.path.exists(ref) or ref.startswith(("/", "./", "../", "~")) or ref.count("/") > 1
 
 
-def load_instructions(dataset: str, split: str):
+def is_file_source(ref: str) -> bool:
+    return ref.startswith("gs://") or is_local(ref)
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Source:
+    """One named split of a dataset, and where each of its records came from."""
+
+    ref: str
+    data: object  # datasets.Dataset
+    files: list[tuple[str, int]] = field(default_factory=list)  # (file, records), in order
+
+    def where(self, row: int) -> str:
+        """`file, line N` (or `DATASET, row N`) for the 0-based row of the split."""
+        for name, count in self.files:
+            if row < count:
+                return f"{name}, {'line' if name.endswith('.jsonl') else 'record'} {row + 1}"
+            row -= count
+        return f"{self.ref}, row {row + 1}"
+
+
+def data_files(ref: str) -> list[str]:
+    """The files a local or gs:// path, directory or glob names, with a known suffix, sorted."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(os.path.expanduser(ref))
+    try:
+        if any(c in path for c in "*?["):
+            found = fs.glob(path)
+        elif fs.isdir(path):
+            found = [p for p in fs.find(path) if os.path.splitext(p)[1] in LOCAL_DATA]
+        else:
+            found = [path] if fs.exists(path) else []
+    except PermissionError as err:
+        raise JobInputError(storage_refusal(ref, err)) from None
+    except OSError as err:
+        if "403" in str(err) or "Forbidden" in str(err):
+            raise JobInputError(storage_refusal(ref, err)) from None
+        raise
+    if not found:
+        raise JobInputError(f"--dataset {ref!r} does not exist (no such file, directory or matching files)")
+    prefix = "gs://" if ref.startswith("gs://") else ""
+    return sorted(prefix + p if prefix and not p.startswith(prefix) else p for p in found)
+
+
+def storage_refusal(ref: str, err: Exception) -> str:
+    bucket = ref.removeprefix("gs://").split("/", 1)[0]
+    return (
+        f"--dataset {ref!r}: the pods may not read bucket {bucket} ({err}). Grant their Workload Identity "
+        f"roles/storage.objectViewer on it: gcloud storage buckets add-iam-policy-binding gs://{bucket} "
+        "--role=roles/storage.objectViewer --member=principal://iam.googleapis.com/projects/NUMBER/"
+        "locations/global/workloadIdentityPools/PROJECT.svc.id.goog/subject/ns/default/sa/default"
+    )
+
+
+def first_bad_json_line(name: str) -> str | None:
+    import fsspec
+
+    with fsspec.open(name, "rt") as f:
+        if name.endswith(".json"):
+            try:
+                json.load(f)
+            except json.JSONDecodeError as err:
+                return f"{name}, line {err.lineno}: not JSON ({err.msg})"
+            return None
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as err:
+                    return f"{name}, line {number}: not JSON ({err.msg}): {line.strip()[:80]!r}"
+    return None
+
+
+def load_file(name: str):
     from datasets import load_dataset
 
-    if is_local(dataset):
-        path = Path(dataset).expanduser()
-        if not path.exists():
-            raise JobInputError(f"--dataset {dataset!r} does not exist")
-        fmt = LOCAL_DATA.get(path.suffix)
-        if fmt is None:
-            raise JobInputError(f"--dataset {dataset!r}: use one of {', '.join(LOCAL_DATA)} or a hub id")
-        data = load_dataset(fmt, data_files=str(path), split=split)
-    else:
-        data = load_dataset(dataset, split=split, token=os.environ.get("HF_TOKEN"))
-    missing = [c for c in COLUMNS if c not in data.column_names]
-    if missing:
+    fmt = LOCAL_DATA.get(os.path.splitext(name)[1])
+    if fmt is None:
+        raise JobInputError(f"--dataset {name!r}: use json, jsonl, csv or parquet files, or a hub id")
+    try:
+        return load_dataset(fmt, data_files=name, split="train")
+    except Exception as err:  # noqa: BLE001  (datasets wraps the parser's error; find the line ourselves)
+        bad = first_bad_json_line(name) if fmt == "json" else None
+        raise JobInputError(bad or f"{name}: cannot be read as {fmt}: {err}") from None
+
+
+def load_split(ref: str, name: str, config: str | None = None) -> Source:
+    """The whole split `name` (files have only `train`)."""
+    from datasets import concatenate_datasets, load_dataset
+
+    if not is_file_source(ref):
+        return Source(ref, load_dataset(ref, config, split=name, token=os.environ.get("HF_TOKEN")))
+    if name != "train":
+        raise JobInputError(f"--dataset {ref!r} is files: their one split is `train` (got {name!r})")
+    files = data_files(ref)
+    parts = [load_file(f) for f in files]
+    try:
+        data = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
+    except ValueError as err:
+        raise JobInputError(f"--dataset {ref!r}: its files do not share their columns ({err})") from None
+    return Source(ref, data, [(f, len(p)) for f, p in zip(files, parts, strict=True)])
+
+
+# ---- splits -----------------------------------------------------------------------------------
+
+
+def absolute(spec: str, sizes: dict[str, int]) -> list[tuple[str, int, int]]:
+    from datasets import ReadInstruction
+
+    try:
+        return [(i.splitname, i.from_, i.to) for i in ReadInstruction.from_spec(spec).to_absolute(sizes)]
+    except (ValueError, AssertionError) as err:
+        raise JobInputError(f"split {spec!r}: {err}") from None
+
+
+def default_eval(train: list[tuple[str, int, int]], sizes: dict[str, int]) -> list[tuple[str, int, int]]:
+    """The records right after the training slice, 1/EVAL_SHARE as many (at least one)."""
+    if len(train) != 1:
+        raise JobInputError("--eval-split auto needs a single training slice such as train[:1024]; name one")
+    name, start, stop = train[0]
+    count = -(-(stop - start) // EVAL_SHARE)
+    if stop >= sizes[name]:
         raise JobInputError(
-            f"--dataset {dataset!r} lacks column(s) {', '.join(missing)}; it has {', '.join(data.column_names)}"
+            f"--eval-split auto takes the records after the training slice, but it reaches the end of "
+            f"{name!r} ({sizes[name]} records): train on fewer (e.g. --split {name}[:{sizes[name] - count}]), "
+            "name an --eval-split, or pass --eval-split none"
         )
-    return data
+    return [(name, stop, min(sizes[name], stop + count))]
 
 
-def render(record: dict) -> str:
-    return f"Instruction: {record['instruction']}\nResponse: {record['response']}"
+def check_disjoint(train: list, held_out: list) -> None:
+    for name, a, b in held_out:
+        if b <= a:
+            raise JobInputError(f"the eval split holds no records ({name}[{a}:{b}])")
+        for other, c, d in train:
+            if other == name and a < d and c < b:
+                raise JobInputError(
+                    f"the eval split {name}[{a}:{b}] overlaps the training split {name}[{c}:{d}]: "
+                    "held-out records must not be trained on"
+                )
 
 
-def tokenize_records(data, tokenizer, seq_len: int) -> list[list[int]]:
-    """Each record rendered and tokenized, truncated at seq_len, unpadded."""
-    return tokenizer([render(r) for r in data], max_length=seq_len, truncation=True)["input_ids"]
+def splits(settings: dict) -> tuple[list, list, dict[str, Source]]:
+    """(train ranges, eval ranges or [], the loaded splits by name) from --split and --eval-split."""
+    from datasets import ReadInstruction
+
+    eval_spec = settings["eval_split"]
+    names = {i.splitname for spec in (settings["split"], eval_spec) if spec not in ("auto", "none")
+             for i in ReadInstruction.from_spec(spec)._relative_instructions}  # fmt: skip
+    loaded = {n: load_split(settings["dataset"], n, settings.get("dataset_config")) for n in sorted(names)}
+    sizes = {n: len(s.data) for n, s in loaded.items()}
+    train = absolute(settings["split"], sizes)
+    if eval_spec == "none":
+        return train, [], loaded
+    held_out = default_eval(train, sizes) if eval_spec == "auto" else absolute(eval_spec, sizes)
+    check_disjoint(train, held_out)
+    return train, held_out, loaded
 
 
-def padded_examples(data, tokenizer, seq_len: int):
-    """The walkthrough's rows: one record each, padded by the tokenizer; padding is masked out of the labels."""
-    import torch
+# ---- records to tokens ------------------------------------------------------------------------
 
-    enc = tokenizer(
-        [render(r) for r in data], max_length=seq_len, truncation=True, padding="max_length", return_tensors="pt"
-    )
-    real = enc["attention_mask"]
-    labels = enc["input_ids"].masked_fill(real == 0, IGNORE)
-    positions = torch.arange(seq_len).expand_as(real).clone()
-    return torch.utils.data.TensorDataset(enc["input_ids"], real, labels, positions)
+
+@dataclass
+class Docs:
+    """Tokenized records of one split: (input_ids, labels) each, and what happened on the way."""
+
+    items: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    read: int = 0
+    truncated: int = 0
+    dropped: int = 0
+    longest: tuple[int, str] = (0, "")  # (tokens before truncation, where)
+
+    def report(self) -> dict:
+        tokens = sum(len(ids) for ids, _ in self.items)
+        predicted = sum(sum(label != IGNORE for label in labels[1:]) for _, labels in self.items)
+        return {
+            "records_read": self.read,
+            "records_used": len(self.items),
+            "truncated": self.truncated,
+            "dropped": self.dropped,
+            "tokens": tokens,
+            "predicted_tokens": predicted,
+            "predicted_share": predicted / tokens if tokens else 0.0,
+            "longest_record_tokens": self.longest[0],
+            "longest_record": self.longest[1],
+        }
+
+
+def render_ranges(ranges, loaded: dict[str, Source], tokenizer, settings: dict) -> Docs:
+    """Every record of the ranges, rendered and tokenized; errors name the file and row."""
+    docs = Docs()
+    seq_len = settings["seq_len"]
+    for name, start, stop in ranges:
+        source = loaded[name]
+        data = source.data.rename_columns(
+            {old: new for old, new in settings["columns"].items() if old in source.data.column_names}
+        )
+        fmt = detect_format(data.column_names)
+        for row in range(start, stop):
+            try:
+                turns = conversation(data[row], fmt)
+                ids, labels = tokenize(render(turns, tokenizer, settings["chat_template"]), tokenizer,
+                                       settings["prompt_loss"])  # fmt: skip
+            except RecordError as err:
+                raise JobInputError(f"{source.where(row)}: {err}") from None
+            docs.read += 1
+            if len(ids) > docs.longest[0]:
+                docs.longest = (len(ids), source.where(row))
+            if len(ids) > seq_len:
+                if settings["overlong"] == "drop":
+                    docs.dropped += 1
+                    continue
+                docs.truncated += 1
+                ids, labels = ids[:seq_len], labels[:seq_len]
+            docs.items.append((ids, labels))
+    return docs
+
+
+def record_format(settings: dict, loaded: dict[str, Source]) -> str:
+    first = next(iter(loaded.values())).data
+    return detect_format([settings["columns"].get(c, c) for c in first.column_names])
+
+
+# ---- rows -------------------------------------------------------------------------------------
 
 
 def pack_rows(lengths: list[int], seq_len: int, seed: int) -> list[list[int]]:
@@ -101,33 +296,55 @@ def pack_rows(lengths: list[int], seq_len: int, seed: int) -> list[list[int]]:
     return rows
 
 
-def packed_examples(docs: list[list[int]], seq_len: int, pad_id: int, seed: int):
-    """Rows of exactly seq_len: whole records end to end, then filler.
-
-    position_ids restart at 0 for every record (and for the filler, its own segment); the first
-    token of each record is never predicted from the previous one, and filler is never
-    predicted at all (labels -100 there).
-    """
+def _rows(layout: list[list[int]], docs, seq_len: int, pad_id: int, left: bool = False):
+    """Tensors for rows of records laid end to end (`left`: a single record padded on the left)."""
     import torch
 
-    rows = pack_rows([len(d) for d in docs], seq_len, seed)
-    n = len(rows)
+    n = len(layout)
     input_ids = torch.full((n, seq_len), pad_id, dtype=torch.long)
     real = torch.zeros((n, seq_len), dtype=torch.long)
     labels = torch.full((n, seq_len), IGNORE, dtype=torch.long)
     positions = torch.zeros((n, seq_len), dtype=torch.long)
-    for r, row in enumerate(rows):
-        at = 0
+    for r, row in enumerate(layout):
+        at = seq_len - sum(len(docs[i][0]) for i in row) if left else 0
         for i in row:
-            doc = torch.tensor(docs[i])
-            end = at + len(doc)
-            input_ids[r, at:end] = doc
-            real[r, at:end] = 1
-            labels[r, at + 1 : end] = doc[1:]
-            positions[r, at:end] = torch.arange(len(doc))
+            ids, doc_labels = (torch.tensor(x, dtype=torch.long) for x in docs[i])
+            end = at + len(ids)
+            input_ids[r, at:end], real[r, at:end], labels[r, at:end] = ids, 1, doc_labels
+            if at:
+                labels[r, at] = IGNORE  # a record's first token is never predicted from what precedes it
+            positions[r, at:end] = torch.arange(len(ids))
             at = end
-        positions[r, at:] = torch.arange(seq_len - at)
+        if not left:
+            positions[r, at:] = torch.arange(seq_len - at)
     return torch.utils.data.TensorDataset(input_ids, real, labels, positions)
+
+
+def padded_examples(docs, seq_len: int, pad_id: int, padding_side: str = "right"):
+    """The walkthrough's rows: one record each, padded on the tokenizer's side; padding is never trained.
+    The model gets the attention mask, and positions as it makes them (one per column)."""
+    import torch
+
+    dataset = _rows([[i] for i in range(len(docs))], docs, seq_len, pad_id, left=padding_side == "left")
+    input_ids, real, labels, _ = dataset.tensors
+    positions = torch.arange(seq_len).expand_as(real).clone()
+    return torch.utils.data.TensorDataset(input_ids, real, labels, positions)
+
+
+def packed_examples(docs, seq_len: int, pad_id: int, seed: int):
+    """Rows of exactly seq_len: whole records end to end, then filler.
+
+    position_ids restart at 0 for every record (and for the filler, its own segment); the first
+    token of each record is never predicted from the previous one, and filler is never
+    predicted at all (labels IGNORE there).
+    """
+    return _rows(pack_rows([len(ids) for ids, _ in docs], seq_len, seed), docs, seq_len, pad_id)
+
+
+def examples(docs, seq_len: int, packing: bool, pad_id: int, seed: int, padding_side: str = "right"):
+    if packing:
+        return packed_examples(docs, seq_len, pad_id, seed)
+    return padded_examples(docs, seq_len, pad_id, padding_side)
 
 
 def model_inputs(batch, packing: bool, device) -> dict:
@@ -138,10 +355,8 @@ def model_inputs(batch, packing: bool, device) -> dict:
     return {"input_ids": input_ids, "attention_mask": real, "labels": labels}
 
 
-def examples(data, tokenizer, seq_len: int, packing: bool, seed: int):
-    if packing:
-        return packed_examples(tokenize_records(data, tokenizer, seq_len), seq_len, tokenizer.pad_token_id, seed)
-    return padded_examples(data, tokenizer, seq_len)
+def batch_predicted(batch) -> int:
+    return int(predicted_tokens(batch[2]))
 
 
 def real_token_share(docs: list[list[int]], seq_len: int) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 from pathlib import Path
 
 CATEGORIES = (
@@ -76,21 +77,39 @@ def make_dataset(path: Path, rows: int = 96, seed: int = 0, mix: str = "tiny") -
     return path
 
 
+# Gemma 4's chat format, text turns only: `<bos><|turn>user\n{prompt}<turn|>\n<|turn>model\n{answer}<turn|>\n`;
+# the assistant role renders as `model`, a system turn as `<|turn>system\n...<turn|>\n`, and the
+# generation prompt is `<|turn>model\n`. Taken from the hub template's rendering as LLaMA-Factory's
+# `template.py` and Google's gemma-skills restate it (../shared/FACTS.md); generation stops at `<turn|>`.
+GEMMA4_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<|turn>' + role + '\n' + message['content'] | trim + '<turn|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|turn>model\n' }}{% endif %}"
+)
+TURN_MARKERS = ["<|turn>", "<turn|>"]
+
+
 def make_tokenizer(out: Path):
-    """A word-level tokenizer over the dataset's vocabulary, saved in the fast-tokenizer format."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    """A word-level tokenizer over the dataset's vocabulary, with Gemma 4's turn markers and chat
+    template, saved in the fast-tokenizer format."""
+    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
     vocab_words = sorted(set(WORDS) | set(SUBJECTS) | {w for v in VERBS for w in v.split()})
-    vocab_words += ["instruction", "response", ".", ",", ":", "?", "!"]
+    vocab_words += ["instruction", "response", "user", "model", "system", ".", ",", ":", "?", "!"]
     vocab = {tok: i for i, tok in enumerate(specials + vocab_words)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     core.normalizer = normalizers.Lowercase()
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TURN_MARKERS])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
     )
+    tokenizer.chat_template = GEMMA4_CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
     return tokenizer
 
@@ -145,14 +164,23 @@ def make_model(out: Path, vocab_size: int, seed: int = 0, size: str = "tiny") ->
     return out
 
 
+# Bumped whenever what make_all writes changes: older assets are then made again (2: the chat template).
+ASSETS_VERSION = "2"
+
+
 def make_all(out: Path) -> dict[str, str]:
-    """Write the model (with tokenizer) and the dataset under `out`; returns their paths."""
-    model_dir, data_file = out / "model", out / "dolly.jsonl"
+    """Write the model (with tokenizer) and the dataset under `out`; returns their paths.
+    Assets an older version of this file made are replaced."""
+    model_dir, data_file, stamp = out / "model", out / "dolly.jsonl", out / ".assets_version"
+    if not stamp.exists() or stamp.read_text() != ASSETS_VERSION:
+        shutil.rmtree(model_dir, ignore_errors=True)
+        data_file.unlink(missing_ok=True)
     if not (model_dir / "config.json").exists():
         tokenizer = make_tokenizer(model_dir)
         make_model(model_dir, vocab_size=len(tokenizer))
     if not data_file.exists():
         make_dataset(data_file)
+    stamp.write_text(ASSETS_VERSION)
     return {"model": str(model_dir), "dataset": str(data_file)}
 
 

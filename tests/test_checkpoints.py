@@ -128,15 +128,15 @@ def test_a_walkthrough_checkpoint_restores_its_weights_and_epoch(tiny_assets, tm
     from backend import get_backend
     from checkpoints import ShardedCheckpointer, export_pretrained, write_state
 
-    config = {"model": tiny_assets["model"], "tokenizer": None, "lr": 1e-2, "weight_decay": 0.0}
+    from tests.inprocess import settings
+
+    config = settings(tiny_assets, "--recipe", "walkthrough", "--lr", "1e-2")
     model, tokenizer, optimizer = ft.build(config, get_backend("cpu"), "float32", 1, None)
     ids = torch.randint(0, 8, (2, 16))
-    model(input_ids=ids, labels=ids).loss.backward()
+    model(input_ids=ids, labels=ids).backward()  # (the training forward returns the summed token loss)
     optimizer.step()
-    frozen = ft.language_model(model).embed_tokens_per_layer.weight
-    frozen_name = next(n for n, p in model.named_parameters() if p is frozen)
     directory, local = str(tmp_path / "checkpoint_2026-12-03_10-00-00.000000"), pyarrow.fs.LocalFileSystem()
-    export_pretrained(model, tokenizer, frozen_name, frozen, local, directory)
+    export_pretrained(model, tokenizer, local, directory)
     write_state(local, directory, {"epoch": 1, "history": [{"epoch": 1}], "attempt": 1, "world_size": 1})
 
     restored = ray.train.Checkpoint(directory)

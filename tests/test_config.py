@@ -217,6 +217,36 @@ for name in ("epochs", "batchSize", "seqLen", "jobTimeoutMinutes"):
 BAD["negative maxFailures"] = ("v6e", {"maxFailures": "-1"}, "gemma-tpu:maxFailures: -1 must be at least 0")
 BAD["huge maxFailures"] = ("v6e", {"maxFailures": "101"}, "gemma-tpu:maxFailures: 101 is more than 100")
 BAD["shardedCheckpoints not a boolean"] = ("v6e", {"shardedCheckpoints": "yes"}, "gemma-tpu:shardedCheckpoints: 'yes'")
+# The recipe's keys: what the fine-tune would refuse on the slice, refused at preview.
+BAD["unknown recipe"] = (
+    "v6e",
+    {"recipe": "fast"},
+    "gemma-tpu:recipe: 'fast' is not a recipe; allowed: default, walkthrough",
+)
+BAD["zero gradAccum"] = ("v6e", {"gradAccum": "0"}, "gemma-tpu:gradAccum: 0 must be a positive integer")
+BAD["warmup of 1"] = ("v6e", {"warmupRatio": "1"}, "gemma-tpu:warmupRatio: 1.0 must be at least 0 and below 1")
+BAD["negative warmup"] = ("v6e", {"warmupRatio": "-0.1"}, "gemma-tpu:warmupRatio: -0.1 must be at least 0")
+BAD["warmup not a number"] = ("v6e", {"warmupRatio": "lots"}, "gemma-tpu:warmupRatio: 'lots' is not string")
+BAD["negative maxGradNorm"] = (
+    "v6e",
+    {"maxGradNorm": "-1"},
+    "gemma-tpu:maxGradNorm: -1.0 must be 0 (no clipping) or more",
+)
+BAD["nan maxGradNorm"] = ("v6e", {"maxGradNorm": "nan"}, "gemma-tpu:maxGradNorm: nan must be 0")
+BAD["unknown schedule"] = ("v6e", {"lrSchedule": "linear"}, "gemma-tpu:lrSchedule: 'linear' is not a schedule")
+BAD["negative lossChunk"] = ("v6e", {"lossChunk": "-1"}, "gemma-tpu:lossChunk: -1 must be at least 0")
+BAD["eval overlaps"] = (
+    "v6e",
+    {"evalSplit": "train[1000:1100]"},
+    "gemma-tpu:evalSplit: 'train[1000:1100]' overlaps gemma-tpu:datasetSplit 'train[:1024]'",
+)
+BAD["eval inside a whole split"] = ("v6e", {"datasetSplit": "train", "evalSplit": "train[:10]"}, "overlaps")
+BAD["auto after a split with no end"] = (
+    "v6e",
+    {"datasetSplit": "train"},
+    "gemma-tpu:evalSplit: auto holds out the records after the training slice, but gemma-tpu:datasetSplit 'train' has no end",
+)
+BAD["eval garbage"] = ("v6e", {"evalSplit": "train[5]"}, "gemma-tpu:evalSplit: 'train[5]' is not auto, none or a split")
 BAD["timeout over a week"] = (
     "v6e",
     {"jobTimeoutMinutes": "10081"},
@@ -258,7 +288,8 @@ GOOD_JOB_VALUES = {
     "learningRate": ["2e-5", "1e-3", "0.5", "1"],
     "model": ["google/gemma-4-E2B-it", "gemma-4", "/models/gemma", "./m", "~/m", "gs-like.path/x_y"],
     "dataset": ["databricks/databricks-dolly-15k", "/data/dolly.jsonl", "../d.parquet"],
-    "datasetSplit": ["train", "train[:1024]", "train[10%:]", "train+test", "train[:10%]+test[5:-1]"],
+    "datasetSplit": ["train[:1024]", "train[:90%]", "train[5:-100]"],
+    "evalSplit": ["auto", "none", "train[1024:1088]", "test", "train[95%:]"],
     "epochs": ["1", "1000"],
     "batchSize": ["1", "1024"],
     "seqLen": ["8", "131072"],
@@ -280,9 +311,19 @@ def test_values_the_config_accepts_the_jobs_accept(name):
         finetune = job_specs(training_settings(cfg), cfg.job.max_failures)[1]
         args = parse_args(list(finetune.args))
         assert (args.model, args.dataset, args.split) == (cfg.job.model, cfg.job.dataset, cfg.job.dataset_split)
+        assert args.eval_split == cfg.job.eval_split
         assert (args.epochs, args.batch_size, args.seq_len) == (cfg.job.epochs, cfg.job.batch_size, cfg.job.seq_len)
         assert (args.lr, args.max_failures) == (cfg.job.learning_rate, cfg.job.max_failures)
-        ReadInstruction.from_spec(args.split)
+        for split in (args.split, args.eval_split):
+            if split not in ("auto", "none"):
+                ReadInstruction.from_spec(split)
+
+
+def test_whole_splits_train_with_a_named_eval_split_or_none():
+    for raw in ({"datasetSplit": "train", "evalSplit": "none"}, {"datasetSplit": "train+test", "evalSplit": "none"},
+                {"datasetSplit": "train[10%:]", "evalSplit": "test"}, {"datasetSplit": "train[:90%]", "evalSplit": "train[90%:]"}):  # fmt: skip
+        cfg = config.parse(raw, stack="v6e", project="p", region=None, zone="us-east5-b", has_token=True)
+        assert (cfg.job.dataset_split, cfg.job.eval_split) == (raw["datasetSplit"], raw["evalSplit"])
 
 
 def test_a_local_stack_takes_a_dashboard_url():

@@ -6,23 +6,31 @@ import os
 
 import pytest
 import torch
-from sft_data import IGNORE, model_inputs, pack_rows, packed_examples, padded_examples, tokenize_records
+from recipe import IGNORE
+from render import conversation, render_text, tokenize
+from sft_data import model_inputs, pack_rows, packed_examples, padded_examples
 
 SEQ = 32
-DOCS = [[2, 10 + i] + [20 + i] * n for i, n in enumerate([3, 28, 9, 14, 1, 30, 5, 11, 7, 18])]
+IDS = [[2, 10 + i] + [20 + i] * n for i, n in enumerate([3, 28, 9, 14, 1, 30, 5, 11, 7, 18])]
+DOCS = [(ids, ids) for ids in IDS]  # every token trained (the walkthrough's labels)
+
+
+def walkthrough_docs(records, tokenizer):
+    """`Instruction: ...\nResponse: ...` records, every token trained, untruncated."""
+    return [tokenize(render_text(conversation(r, "instruction/context/response")), tokenizer, True) for r in records]
 
 
 def test_rows_hold_every_record_once_and_never_overflow():
-    rows = pack_rows([len(d) for d in DOCS], SEQ, seed=42)
-    assert sorted(i for row in rows for i in row) == list(range(len(DOCS)))
-    assert all(sum(len(DOCS[i]) for i in row) <= SEQ for row in rows)
+    rows = pack_rows([len(d) for d in IDS], SEQ, seed=42)
+    assert sorted(i for row in rows for i in row) == list(range(len(IDS)))
+    assert all(sum(len(IDS[i]) for i in row) <= SEQ for row in rows)
     # best fit: no two rows could have been one
-    fills = sorted(sum(len(DOCS[i]) for i in row) for row in rows)
+    fills = sorted(sum(len(IDS[i]) for i in row) for row in rows)
     assert fills[0] + fills[1] > SEQ
 
 
 def test_packing_is_deterministic_from_the_seed():
-    lengths = [len(d) for d in DOCS]
+    lengths = [len(d) for d in IDS]
     assert pack_rows(lengths, SEQ, seed=42) == pack_rows(lengths, SEQ, seed=42)
     assert any(pack_rows(lengths, SEQ, seed=s) != pack_rows(lengths, SEQ, seed=42) for s in range(1, 6))
 
@@ -31,19 +39,19 @@ def test_positions_restart_and_labels_stop_at_boundaries():
     data = packed_examples(DOCS, SEQ, pad_id=0, seed=42)
     input_ids, real, labels, positions = data.tensors
     assert input_ids.shape == real.shape == labels.shape == positions.shape == (len(data), SEQ)
-    rows = pack_rows([len(d) for d in DOCS], SEQ, seed=42)
+    rows = pack_rows([len(d) for d in IDS], SEQ, seed=42)
     for r, row in enumerate(rows):
         at = 0
         for i in row:
-            doc, end = DOCS[i], at + len(DOCS[i])
+            doc, end = IDS[i], at + len(IDS[i])
             assert input_ids[r, at:end].tolist() == doc
             assert positions[r, at:end].tolist() == list(range(len(doc)))
-            assert labels[r, at] == IGNORE  # never predicted from the previous record
+            assert at == 0 or labels[r, at] == IGNORE  # never predicted from the previous record
             assert labels[r, at + 1 : end].tolist() == doc[1:]
             at = end
         assert real[r].sum() == at and (labels[r, at:] == IGNORE).all()  # filler: not text, not predicted
         assert positions[r, at:].tolist() == list(range(SEQ - at))
-    assert int(real.sum()) == sum(len(d) for d in DOCS)
+    assert int(real.sum()) == sum(len(d) for d in IDS)
 
 
 def test_packed_batches_carry_positions_and_no_mask():
@@ -69,35 +77,39 @@ def test_a_record_in_a_packed_row_sees_only_itself(tiny):
     model, tokenizer = tiny
     records = [{"instruction": f"Describe {s}.", "response": f"The {s} is warm and {s} often {w}."}
                for s, w in [("bees", "early"), ("tides", "late"), ("comets", "slowly"), ("chess", "small")]]  # fmt: skip
-    docs = tokenize_records(records, tokenizer, 64)
-    assert all(len(d) > 4 for d in docs)
+    docs = walkthrough_docs(records, tokenizer)
+    assert all(len(ids) > 4 for ids, _ in docs)
     data = packed_examples(docs, 64, tokenizer.pad_token_id, seed=0)
     assert len(data) == 1  # all four in one row, so three of them follow another record
-    row, rows = data.tensors, pack_rows([len(d) for d in docs], 64, seed=0)
+    row, rows = data.tensors, pack_rows([len(ids) for ids, _ in docs], 64, seed=0)
     with torch.no_grad():
         packed = model(**{k: v for k, v in model_inputs(row, True, "cpu").items() if k != "labels"}).logits[0]
         at = 0
         for i in rows[0]:
-            alone = model(input_ids=torch.tensor([docs[i]])).logits[0]
-            torch.testing.assert_close(packed[at : at + len(docs[i])], alone, rtol=1e-4, atol=1e-4)
-            at += len(docs[i])
+            ids = docs[i][0]
+            alone = model(input_ids=torch.tensor([ids])).logits[0]
+            torch.testing.assert_close(packed[at : at + len(ids)], alone, rtol=1e-4, atol=1e-4)
+            at += len(ids)
 
 
 def test_the_equivalence_check_bites_without_the_packed_positions(tiny):
     model, tokenizer = tiny
-    docs = tokenize_records([{"instruction": "Explain bees.", "response": "Bees are warm."}] * 2, tokenizer, 64)
+    docs = walkthrough_docs([{"instruction": "Explain bees.", "response": "Bees are warm."}] * 2, tokenizer)
     row = packed_examples(docs, 64, tokenizer.pad_token_id, seed=0).tensors
+    (first, _), (second_ids, _) = docs
     with torch.no_grad():
         unmasked = model(input_ids=row[0]).logits[0]  # one causal row: the second record sees the first
-        alone = model(input_ids=torch.tensor([docs[1]])).logits[0]
-    second = unmasked[len(docs[0]) : len(docs[0]) + len(docs[1])]
+        alone = model(input_ids=torch.tensor([second_ids])).logits[0]
+    second = unmasked[len(first) : len(first) + len(second_ids)]
     assert (second - alone).abs().max() > 1e-2
 
 
 def test_padded_rows_are_the_walkthroughs(tiny):
     _, tokenizer = tiny
-    records = [{"instruction": "Explain bees.", "response": "Bees are warm."}]
-    input_ids, real, labels, _ = padded_examples(records, tokenizer, 16).tensors
+    records = [{"instruction": "Explain bees.", "context": "Bees.", "response": "Bees are warm."}]
+    input_ids, real, labels, _ = padded_examples(
+        walkthrough_docs(records, tokenizer), 16, tokenizer.pad_token_id
+    ).tensors
     expected = tokenizer(["Instruction: Explain bees.\nResponse: Bees are warm."], max_length=16,
                          truncation=True, padding="max_length", return_tensors="pt")  # fmt: skip
     assert torch.equal(input_ids, expected["input_ids"]) and torch.equal(real, expected["attention_mask"])
@@ -152,9 +164,9 @@ def test_walkthrough_flags_are_accepted(monkeypatch, capsys):
          "--dataset-split", "train[:1024]", "--num-workers", "16"]
     )  # fmt: skip
     assert (args.model, args.epochs, args.batch_size, args.split) == ("google/gemma-4-E2B-it", 3, 4, "train[:1024]")
-    assert args.storage_path == "gs://b/ray_train_torchtpu" and args.packing is True
+    assert args.storage_path == "gs://b/ray_train_torchtpu" and ft.resolve(args)["packing"] is True
     assert backend.resolve_num_workers("tpu", "4x4", "TPU-V6E", args.num_workers) == 16
-    assert ft.parse_args(["--no-packing"]).packing is False
+    assert ft.resolve(ft.parse_args(["--no-packing"]))["packing"] is False
     monkeypatch.delenv("STORAGE_PATH")
     assert ft.parse_args([]).storage_path == os.path.expanduser("~/ray_results")
     with pytest.raises(SystemExit):

@@ -248,9 +248,18 @@ def test_training_jobs_resource(run):
         "epochs": 3,
         "batch_size": 4,
         "seq_len": 512,
+        "learning_rate": 2e-05,
+        "recipe": "default",
+        "grad_accum": 1,
         "packing": True,
         "sharded_checkpoints": True,
-        "learning_rate": 2e-05,
+        "chat_template": True,
+        "prompt_loss": False,
+        "lr_schedule": "cosine",
+        "warmup_ratio": 0.03,
+        "max_grad_norm": 1.0,
+        "eval_split": "auto",
+        "loss_chunk": 1024,
         "storage_path": f"gs://demo-project-{run.stack}-checkpoints/ray_train_torchtpu",
     }
     assert training["target"] == {
@@ -311,28 +320,42 @@ def test_specific_reservation(mode):
 
 
 @pytest.mark.parametrize("stack", STACKS)
-@pytest.mark.parametrize("walkthrough", [False, True])
-def test_the_recipe_reaches_the_fine_tune_as_its_flags(stack, walkthrough):
-    """packing and shardedCheckpoints false give the walkthrough's recipe; maxFailures is passed on."""
+@pytest.mark.parametrize("recipe", ["default", "walkthrough"])
+def test_the_recipe_reaches_the_fine_tune_as_its_flags(stack, recipe):
+    """`recipe: walkthrough` is the walkthrough's every default; the fine-tune, parsing the flags the
+    job resource passes it, ends with exactly the stack's settings; maxFailures is passed on."""
     from ray_core_collectives import parse_args as collectives_parse_args
     from ray_train_llm_finetune import parse_args as ft_parse_args
+    from ray_train_llm_finetune import resolve
 
     from infra.ray_jobs import job_specs
+    from jobs.recipe import RECIPE_KEYS, RECIPES
 
-    flags = {"packing": "false", "shardedCheckpoints": "false", "maxFailures": "0"} if walkthrough else {}
+    walkthrough = recipe == "walkthrough"
+    flags = {"recipe": recipe, "maxFailures": "0"} if walkthrough else {}
     run = run_program(stack, stack_config(stack, **flags))
     training = run.one("pulumi-python:dynamic:Resource", "training").inputs
     settings = training["settings"]
-    assert (settings["packing"], settings["sharded_checkpoints"]) == (not walkthrough, not walkthrough)
+    assert {k: settings[k] for k in RECIPE_KEYS} == {k: getattr(RECIPES[recipe], k) for k in RECIPE_KEYS}
+    assert (settings["packing"], settings["sharded_checkpoints"], settings["eval_split"]) == (
+        (False, False, "none") if walkthrough else (True, True, "auto")
+    )
     assert training["max_failures"] == (0 if walkthrough else 3)
     collectives, finetune = job_specs(settings, training["max_failures"])
     # as the jobs' own parsers read them, after Pulumi's wire format made every number a float
-    parsed = ft_parse_args(list(finetune.args))
-    assert (parsed.epochs, parsed.batch_size, parsed.seq_len) == (3, 4, 512)
-    assert parsed.max_failures == training["max_failures"] and parsed.packing is (not walkthrough)
+    parsed = resolve(ft_parse_args(list(finetune.args)))
+    assert (parsed["epochs"], parsed["batch_size"], parsed["seq_len"], parsed["grad_accum"]) == (3, 4, 512, 1)
+    assert {k: parsed[k] for k in RECIPE_KEYS} == {k: settings[k] for k in RECIPE_KEYS}
+    assert parsed["recipe"] == recipe and parsed["max_failures"] == training["max_failures"]
     assert collectives_parse_args(list(collectives.args)).topology == settings["topology"]
     args = " ".join(finetune.args)
     if walkthrough:
-        assert "--no-packing --no-sharded-checkpoints" in args and args.endswith("--max-failures 0")
+        assert "--no-packing --no-chat-template --prompt-loss" in args and args.endswith("--max-failures 0")
     else:
-        assert "--packing --sharded-checkpoints" in args and args.endswith("--max-failures 3")
+        assert "--packing --chat-template --no-prompt-loss" in args and args.endswith("--max-failures 3")
+
+
+def test_a_single_key_overrides_its_recipe():
+    run = run_program("v6e", stack_config("v6e", recipe="walkthrough", packing="true", evalSplit="train[1024:1088]"))
+    settings = run.one("pulumi-python:dynamic:Resource", "training").inputs["settings"]
+    assert (settings["packing"], settings["eval_split"], settings["chat_template"]) == (True, "train[1024:1088]", False)

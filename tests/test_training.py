@@ -31,7 +31,7 @@ def local_props(head, tiny_assets, storage, stack="t", **settings) -> dict:
 
 def local_cfg(tiny_assets, storage, stack: str):
     return local_run.local_config(
-        stack=stack, model=tiny_assets["model"], dataset=tiny_assets["dataset"], datasetSplit="train", epochs="1",
+        stack=stack, model=tiny_assets["model"], dataset=tiny_assets["dataset"], datasetSplit="train[:80]", epochs="1",
         seqLen="64", localStoragePath=str(storage), jobTimeoutMinutes="10",
     )  # fmt: skip
 
@@ -129,6 +129,7 @@ def test_gke_path_survives_token_expiry_and_a_flaky_proxy_while_make_local_attac
     answered 503 or dropped, and the first submit's answer lost after the job went in. Meanwhile a
     second `up` (make local's own path, straight to the head) attaches to the same jobs."""
     props = local_props(ray_head, tiny_assets, tmp_path, stack="gke")
+    quick_retries = RetryPolicy(budget_s=props["retry_budget_s"], base_s=0.1)  # the same retries, sooner
     credentials = ShortLivedCredentials(lifetime_s=4)
     tokens = GoogleTokens(margin_s=1.5, credentials=credentials)
     logged: list[str] = []
@@ -140,7 +141,7 @@ def test_gke_path_survives_token_expiry_and_a_flaky_proxy_while_make_local_attac
         props["target"], props["slice"] = gke_target(proxy), slice_props(tpu)
         started = time.monotonic()
         first = threading.Thread(
-            target=lambda: outputs.update(gke=ray_jobs.run_pipeline(props, log=logged.append, tokens=tokens))
+            target=lambda: outputs.update(gke=ray_jobs.run_pipeline(props, logged.append, tokens, quick_retries))
         )
         first.start()
         deadline = time.monotonic() + 120

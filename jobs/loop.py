@@ -1,0 +1,214 @@
+"""The training loop's parts: one optimizer step, one epoch, the held-out eval, and progress.
+
+They take a model whose forward returns the sum of its token losses (see
+ray_train_llm_finetune.use_loss_forward) and a torch.distributed process group; no Ray, so the
+tests run them in one process (or two, for the collectives).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from backend import worker_print
+from recipe import IGNORE, clip_grad_norm, lr_at, predicted_tokens
+from sft_data import model_inputs
+
+
+@dataclass(frozen=True)
+class Schedule:
+    peak_lr: float
+    kind: str
+    warmup_ratio: float
+    total_steps: int
+
+    def lr(self, step: int) -> float:
+        return lr_at(step, self.total_steps, self.peak_lr, self.kind, self.warmup_ratio)
+
+
+def steps_per_epoch(batches_per_rank: int, grad_accum: int) -> int:
+    return batches_per_rank // grad_accum
+
+
+def train_step(model, optimizer, micro_batches: list, lr: float, max_grad_norm: float, packing: bool, device) -> dict:
+    """One optimizer step over one global batch (this rank's micro-batches, and every other rank's).
+
+    The loss is the sum of every predicted token's loss over the global batch divided by their
+    global count, which one all-reduce gives before any backward pass; FSDP sums the gradients
+    over ranks (apply_fsdp), so nothing divides twice. Returns tensors (no device sync).
+    """
+    import torch
+    import torch.distributed as dist
+
+    counts = torch.tensor(
+        [sum(int(predicted_tokens(b[2])) for b in micro_batches), sum(int(b[1].sum()) for b in micro_batches)],
+        dtype=torch.float32,
+        device=device,
+    )
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM)  # [predicted, real] over the global batch
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    for batch in micro_batches:
+        summed = model(**model_inputs(batch, packing, device))
+        (summed / counts[0].clamp(min=1)).backward()
+        loss_sum += summed.detach().float()
+    trainable = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = clip_grad_norm(trainable, max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss_sum": loss_sum, "predicted": counts[0], "real": counts[1], "grad_norm": grad_norm, "lr": lr}
+
+
+def micro_batch_groups(loader, grad_accum: int):
+    """The loader's batches, grad_accum at a time; a last incomplete group is dropped (as drop_last)."""
+    group = []
+    for batch in loader:
+        group.append(batch)
+        if len(group) == grad_accum:
+            yield group
+            group = []
+
+
+def global_sum(*values: float, device=None) -> list[float]:
+    """Sums over ranks (gloo has no AVG: sum, then divide where a mean is wanted)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64 if device is None or device.type == "cpu" else torch.float32)
+    t = t.to(device) if device is not None else t
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def train_epoch(
+    model, optimizer, loader, schedule: Schedule, first_step: int, settings: dict, device, progress
+) -> dict:
+    """One pass over this rank's rows; the loss is token-weighted over the whole epoch and all ranks."""
+    import torch
+
+    loss_sum = torch.zeros((), dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
+    predicted = real = 0.0
+    steps, last = 0, {}
+    for group in micro_batch_groups(loader, settings["grad_accum"]):
+        step = first_step + steps
+        last = train_step(model, optimizer, group, schedule.lr(step), settings["max_grad_norm"], settings["packing"],
+                          device)  # fmt: skip
+        loss_sum += last["loss_sum"]
+        predicted, real = predicted + float(last["predicted"]), real + float(last["real"])
+        steps += 1
+        progress.step(step, last)
+    (global_loss_sum,) = global_sum(float(loss_sum), device=device)
+    return {
+        "loss": global_loss_sum / max(predicted, 1),
+        "predicted_tokens": predicted,
+        "real_tokens": real,
+        "steps": steps,
+        "lr": last.get("lr", schedule.lr(first_step)),
+        "grad_norm": float(last["grad_norm"]) if last else None,
+    }
+
+
+def eval_rows(dataset, rank: int, world: int):
+    """This rank's share of the eval rows, padded with empty rows (nothing to predict) so that every
+    rank runs the same number of forward passes: FSDP's all-gathers need every rank in each one."""
+    import torch
+
+    input_ids, real, labels, positions = dataset.tensors
+    mine = torch.arange(rank, len(input_ids), world)
+    missing = math.ceil(len(input_ids) / world) - len(mine)
+    blank = [torch.zeros((missing, input_ids.shape[1]), dtype=torch.long) for _ in range(4)]
+    blank[0] += input_ids[0, 0]  # a real token id: the filler is never predicted
+    blank[2] += IGNORE
+    blank[3] += torch.arange(input_ids.shape[1])
+    parts = [torch.cat([t[mine], b]) for t, b in zip((input_ids, real, labels, positions), blank, strict=True)]
+    return torch.utils.data.TensorDataset(*parts)
+
+
+def evaluate(model, dataset, batch_size: int, packing: bool, rank: int, world: int, device) -> dict:
+    """The loss over every predicted token of the eval rows (token-weighted, all ranks); no gradients."""
+    import torch
+
+    loader = torch.utils.data.DataLoader(eval_rows(dataset, rank, world), batch_size=batch_size)
+    loss_sum = predicted = 0.0
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for batch in loader:
+            loss_sum += float(model(**model_inputs(batch, packing, device)))
+            predicted += int(predicted_tokens(batch[2]))
+    model.train(was_training)
+    total, count = global_sum(loss_sum, predicted, device=device)
+    return {"eval_loss": total / count if count else None, "eval_tokens": count}
+
+
+@dataclass
+class Progress:
+    """Every `every` steps, rank 0 prints one line (step, loss, lr, grad norm, real tok/s) and writes
+    the same to TensorBoard event files (`writer`, if any). The loss is the global one since the last
+    line: one small all-reduce at each printed step, none in between."""
+
+    every: int
+    total_steps: int
+    rank: int
+    device: object = None
+    writer: object = None
+    _since: dict = field(default_factory=lambda: {"loss_sum": 0.0, "predicted": 0.0, "real": 0.0})
+    _started: float = field(default_factory=time.perf_counter)
+    _done: int = 0
+
+    def step(self, step: int, result: dict) -> None:
+        self._since["loss_sum"] += float(result["loss_sum"])  # this rank's; summed over ranks below
+        self._since["predicted"] += float(result["predicted"])
+        self._since["real"] += float(result["real"])
+        done = self._done = step + 1
+        if done % self.every and done != self.total_steps:
+            return
+        (loss_sum,) = global_sum(self._since["loss_sum"], device=self.device)
+        elapsed = time.perf_counter() - self._started
+        values = {
+            "loss": loss_sum / max(self._since["predicted"], 1),
+            "lr": result["lr"],
+            "grad_norm": float(result["grad_norm"]),
+            "real_tokens_per_s": self._since["real"] / elapsed if elapsed else 0.0,
+        }
+        if self.rank == 0:
+            worker_print(
+                f"step {done}/{self.total_steps}  loss {values['loss']:.4f}  lr {values['lr']:.3g}  "
+                f"grad_norm {values['grad_norm']:.3f}  real tok/s {values['real_tokens_per_s']:,.0f}"
+            )
+            if self.writer is not None:
+                for name, value in values.items():
+                    self.writer.add_scalar(f"train/{name}", value, done)
+        self._since = {"loss_sum": 0.0, "predicted": 0.0, "real": 0.0}
+        self._started = time.perf_counter()
+
+    def epoch(self, metrics: dict) -> None:
+        """The epoch's losses into TensorBoard, whose files then go to the run's storage."""
+        if self.writer is None:
+            return
+        for name in ("loss", "eval_loss"):
+            if metrics.get(name) is not None:
+                self.writer.add_scalar(f"epoch/{name}", metrics[name], self._done)
+        self.writer.flush()
+        publish(self.writer)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            publish(self.writer)
+
+
+def publish(writer) -> None:
+    """Copy the writer's local event files to its `target` (a pyarrow filesystem and directory)."""
+    import pyarrow.fs
+
+    filesystem, directory = writer.target
+    filesystem.create_dir(directory, recursive=True)
+    pyarrow.fs.copy_files(writer.log_dir, directory, destination_filesystem=filesystem)
+
+
+def log_every(steps_per_epoch_: int, lines_per_epoch: int = 10) -> int:
+    """About `lines_per_epoch` progress lines an epoch."""
+    return max(1, round(steps_per_epoch_ / lines_per_epoch))

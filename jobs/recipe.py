@@ -1,0 +1,149 @@
+"""The fine-tune's recipe: presets, the learning-rate schedule, the loss and its normalisation.
+
+Small functions with no state, in the spirit of torchtitan's components, so each can be tested
+alone. `RECIPES` is the one table of recipe defaults; the stack (infra/config.py) reads it too.
+
+- One optimizer step is one global batch: every rank's rows, times --grad-accum micro-batches.
+  Its loss is the sum of the token losses over every predicted token of that global batch,
+  divided by the global count of predicted tokens (one all-reduce, before the backward pass).
+  FSDP2 is told to sum gradients over ranks, not to average them (the count already divides).
+  A row with few predicted tokens therefore weighs exactly its tokens, however the batch is split.
+- The schedule: linear warmup over --warmup-ratio of the steps, then cosine decay to 10% of --lr
+  (or constant). Google's Gemma SFT script, TRL and torchtune use this shape.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+IGNORE = -100  # the label of a position whose token is not trained on
+SCHEDULES = ("cosine", "constant")
+FINAL_LR_RATIO = 0.1  # cosine decays to this share of --lr
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Defaults a --recipe sets; any flag given on its own still wins."""
+
+    packing: bool
+    sharded_checkpoints: bool
+    chat_template: bool
+    prompt_loss: bool
+    lr_schedule: str
+    warmup_ratio: float
+    max_grad_norm: float
+    eval_split: str
+    loss_chunk: int
+
+
+RECIPES = {
+    # What a user would ship: packed rows, the model's own chat format with the prompt masked, a
+    # held-out eval, warmup + cosine, clipping, sharded async checkpoints, a chunked loss.
+    "default": Recipe(
+        packing=True,
+        sharded_checkpoints=True,
+        chat_template=True,
+        prompt_loss=False,
+        lr_schedule="cosine",
+        warmup_ratio=0.03,
+        max_grad_norm=1.0,
+        eval_split="auto",
+        loss_chunk=1024,
+    ),
+    # The walkthrough exactly: padded rows, `Instruction: ... Response: ...` with the prompt in
+    # the loss, constant lr, no clipping, no eval, full logits, rank 0's full checkpoint per epoch.
+    "walkthrough": Recipe(
+        packing=False,
+        sharded_checkpoints=False,
+        chat_template=False,
+        prompt_loss=True,
+        lr_schedule="constant",
+        warmup_ratio=0.0,
+        max_grad_norm=0.0,
+        eval_split="none",
+        loss_chunk=0,
+    ),
+}
+RECIPE_KEYS = tuple(f.name for f in fields(Recipe))
+
+
+def with_recipe(values: dict, recipe: str) -> dict:
+    """`values` with every recipe key that is None taken from the named recipe."""
+    preset = RECIPES[recipe]
+    return values | {k: getattr(preset, k) for k in RECIPE_KEYS if values.get(k) is None}
+
+
+# ---- schedule ---------------------------------------------------------------------------------
+
+
+def warmup_steps(total_steps: int, warmup_ratio: float) -> int:
+    return math.ceil(warmup_ratio * total_steps)
+
+
+def lr_at(step: int, total_steps: int, peak: float, schedule: str, warmup_ratio: float) -> float:
+    """The learning rate of optimizer step `step` (0-based) of `total_steps`.
+
+    Warmup rises linearly to `peak` over its steps (step 0 already gets peak / warmup: no step is
+    wasted at lr 0); cosine then falls from `peak` to FINAL_LR_RATIO x peak, reached at the last step.
+    """
+    warmup = warmup_steps(total_steps, warmup_ratio)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if schedule == "constant":
+        return peak
+    progress = min(1.0, (step - warmup) / max(1, total_steps - 1 - warmup))
+    return peak * (FINAL_LR_RATIO + (1 - FINAL_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# ---- the loss ---------------------------------------------------------------------------------
+
+
+def predicted_tokens(labels):
+    """How many tokens a batch predicts: the labels after the first position that are not IGNORE
+    (position t's logits predict label t + 1)."""
+    return (labels[..., 1:] != IGNORE).sum()
+
+
+def _token_losses_sum(hidden, weight, targets, softcap: float | None):
+    import torch
+
+    logits = (hidden @ weight.T).float()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
+
+
+def token_loss_sum(hidden, weight, labels, softcap: float | None, chunk: int = 0):
+    """The sum over predicted tokens of -log p(token), from the final hidden states and the LM head.
+
+    hidden [rows, seq, d] and labels [rows, seq]; weight is the (tied) output embedding [vocab, d].
+    chunk 0 computes the logits of every position at once, as the model's own forward does. A chunk
+    of N computes them N positions at a time and recomputes each chunk's in the backward pass, so
+    at most one chunk of [N, vocab] logits is alive. Shapes stay the same every step (no selection
+    of the predicted positions), so XLA compiles once; IGNORE positions add nothing.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    targets = labels[:, 1:].reshape(-1)
+    if chunk <= 0 or chunk >= targets.numel():
+        return _token_losses_sum(h, weight, targets, softcap)
+    return sum(
+        checkpoint(_token_losses_sum, h[i : i + chunk], weight, targets[i : i + chunk], softcap, use_reentrant=False)
+        for i in range(0, targets.numel(), chunk)
+    )
+
+
+def clip_grad_norm(parameters, max_norm: float) -> float:
+    """The global gradient norm (over every rank's shards); gradients are scaled down to `max_norm`
+    when it is exceeded and max_norm > 0. As torchtitan does it: DTensor norms are made whole first."""
+    import torch
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return float(total)

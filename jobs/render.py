@@ -1,0 +1,187 @@
+"""Records to conversations, conversations to text, text to token ids and labels.
+
+Three record formats, told apart by their columns (`--columns new=old` renames columns first):
+
+- `messages`: a list of {role, content} turns; roles system, user, assistant (`model` is read
+  as assistant). Every assistant turn is trained on.
+- `prompt` / `completion`: one user turn, one assistant turn.
+- `instruction` / `context` / `response` (Dolly): the user turn is the instruction, then the
+  context when there is one; the assistant turn is the response.
+
+With the chat template (the default), a conversation is rendered by the tokenizer's own
+`apply_chat_template`, and the trained characters are each assistant turn's content and its
+end-of-turn marker (so the model learns to stop), found by rendering the conversation up to
+that turn with and without the generation prompt. Without it, the walkthrough's text:
+`Instruction: {instruction}\\nResponse: {response}` (Dolly's context left out, as there).
+Tokens whose first character is trained get their own id as label; the rest get IGNORE,
+unless --prompt-loss trains on every token.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from backend import JobInputError
+from recipe import IGNORE
+
+ROLES = {"system": "system", "user": "user", "assistant": "assistant", "model": "assistant"}
+FORMATS = {  # name -> the columns that identify it
+    "messages": ("messages",),
+    "prompt/completion": ("prompt", "completion"),
+    "instruction/context/response": ("instruction", "response"),
+}
+
+
+class RecordError(ValueError):
+    """What is wrong with one record; the caller adds where it is."""
+
+
+def parse_columns(text: str | None) -> dict[str, str]:
+    """`prompt=question,completion=answer` -> {"question": "prompt", "answer": "completion"} (old -> new)."""
+    if not text:
+        return {}
+    mapping = {}
+    for pair in text.split(","):
+        new, sep, old = (part.strip() for part in pair.partition("="))
+        known = {c for cols in FORMATS.values() for c in cols} | {"context"}
+        if not sep or not old or new not in known:
+            raise JobInputError(
+                f"--columns {text!r}: each entry is NEW=OLD with NEW one of {', '.join(sorted(known))} "
+                "(e.g. prompt=question,completion=answer)"
+            )
+        mapping[old] = new
+    return mapping
+
+
+def detect_format(columns: list[str]) -> str:
+    for name, needed in FORMATS.items():
+        if all(c in columns for c in needed):
+            return name
+    expected = "; ".join(" + ".join(cols) for cols in FORMATS.values())
+    raise JobInputError(
+        f"no known record format in columns {', '.join(columns)}: expected {expected} "
+        "(rename columns with --columns, e.g. --columns prompt=question,completion=answer)"
+    )
+
+
+def _text(value, what: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise RecordError(f"{what} is {'empty' if isinstance(value, str) or value is None else type(value).__name__}; "
+                          "it must be non-empty text")  # fmt: skip
+    return value
+
+
+def conversation(record: dict, fmt: str) -> list[dict]:
+    """The record as turns [{role, content}] (a Dolly user turn also keeps its `context`); raises RecordError."""
+    if fmt == "prompt/completion":
+        return [
+            {"role": "user", "content": _text(record["prompt"], "prompt")},
+            {"role": "assistant", "content": _text(record["completion"], "completion")},
+        ]
+    if fmt == "instruction/context/response":
+        context = record.get("context") or ""
+        if not isinstance(context, str):
+            raise RecordError(f"context is {type(context).__name__}; it must be text")
+        return [
+            {"role": "user", "content": _text(record["instruction"], "instruction"), "context": context.strip()},
+            {"role": "assistant", "content": _text(record["response"], "response")},
+        ]
+    turns = record["messages"]
+    if not isinstance(turns, list) or not turns:
+        raise RecordError("messages must be a non-empty list of {role, content} turns")
+    out = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
+            raise RecordError(f"turn {i} is not a {{role, content}} object")
+        if turn["role"] not in ROLES:
+            raise RecordError(f"turn {i} has the unknown role {turn['role']!r}; use one of {', '.join(ROLES)}")
+        out.append({"role": ROLES[turn["role"]], "content": _text(turn["content"], f"turn {i}'s content")})
+    if not any(t["role"] == "assistant" for t in out):
+        raise RecordError("the conversation has no assistant turn, so nothing to train on")
+    return out
+
+
+@dataclass(frozen=True)
+class Rendered:
+    text: str
+    spans: tuple[tuple[int, int], ...]  # [start, end) of the trained characters
+    special_tokens: bool  # whether the tokenizer adds its own (the chat template writes them itself)
+
+
+def user_text(turn: dict) -> str:
+    return f"{turn['content']}\n\n{turn['context']}" if turn.get("context") else turn["content"]
+
+
+def render_chat(turns: list[dict], tokenizer) -> Rendered:
+    """The tokenizer's chat template; each assistant turn's content and end-of-turn marker are trained."""
+    messages = [{"role": t["role"], "content": user_text(t)} for t in turns]
+
+    def apply(part, prompt=False):
+        return tokenizer.apply_chat_template(part, tokenize=False, add_generation_prompt=prompt)
+
+    text, spans = apply(messages), []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, through = apply(messages[:i], prompt=True), apply(messages[: i + 1])
+        if not text.startswith(through):
+            raise RecordError(
+                "the chat template renders earlier turns differently once later ones follow, so the "
+                "assistant turns cannot be located; split the conversation or pass --no-chat-template"
+            )
+        # the turn's own text starts where the generation prompt ends; the newline after the
+        # end-of-turn marker is not part of what the model should say
+        spans.append((len(os.path.commonprefix([before, through])), len(through.rstrip())))
+    return Rendered(text, tuple(spans), special_tokens=False)
+
+
+def render_text(turns: list[dict]) -> Rendered:
+    """The walkthrough's `Instruction: ...\\nResponse: ...` (one pair per exchange); responses are trained."""
+    parts, spans, at = [], [], 0
+    for turn in turns:
+        label = {"system": "System: ", "user": "Instruction: ", "assistant": "Response: "}[turn["role"]]
+        start = at + (1 if parts else 0) + len(label)
+        parts.append(label + turn["content"])
+        at = start + len(turn["content"])
+        if turn["role"] == "assistant":
+            spans.append((start, at))
+    return Rendered("\n".join(parts), tuple(spans), special_tokens=True)
+
+
+def render(turns: list[dict], tokenizer, chat_template: bool) -> Rendered:
+    return render_chat(turns, tokenizer) if chat_template else render_text(turns)
+
+
+def require_chat_template(tokenizer, source: str) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise JobInputError(
+            f"the tokenizer of {source} has no chat template; pass --no-chat-template to train on the "
+            "walkthrough's `Instruction: ... Response: ...` text, or a --tokenizer that has one"
+        )
+
+
+def tokenize(rendered: Rendered, tokenizer, prompt_loss: bool) -> tuple[list[int], list[int]]:
+    """(input_ids, labels), untruncated. A token is trained when its first character is."""
+    enc = tokenizer(rendered.text, add_special_tokens=rendered.special_tokens, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+
+    def trained(start: int, end: int) -> bool:
+        return end > start and any(a <= start < b for a, b in rendered.spans)
+
+    labels = [
+        t if prompt_loss or trained(*offset) else IGNORE for t, offset in zip(ids, enc["offset_mapping"], strict=True)
+    ]
+    return ids, labels
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The token that ends an assistant turn in the tokenizer's chat template (Gemma 4: `<turn|>`):
+    the last token of a rendered one-exchange conversation's assistant span."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    probe = render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}], tokenizer)
+    ids, labels = tokenize(probe, tokenizer, prompt_loss=False)
+    trained = [t for t, label in zip(ids, labels, strict=True) if label != IGNORE]
+    added = tokenizer.added_tokens_decoder.get(trained[-1]) if trained else None
+    return trained[-1] if added is not None and added.special else None  # a marker, not a word

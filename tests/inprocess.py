@@ -1,0 +1,89 @@
+"""The fine-tune's per-worker parts without Ray: one rank in this process, or several through
+torch.multiprocessing, each on a gloo group over a rendezvous file.
+
+Settings come from the job's own flag parser and recipe resolution, so a test trains exactly what
+`ray_train_llm_finetune.py FLAGS` would, minus Ray Train's machinery (which the e2e tests cover).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def settings(assets: dict, *flags: str) -> dict:
+    """The job's resolved settings for `flags` (after the tiny model, its data and the CPU backend)."""
+    import ray_train_llm_finetune as ft
+
+    base = ["--backend", "cpu", "--num-workers", "1", "--model", assets["model"], "--dataset", assets["dataset"],
+            "--seq-len", "128", "--lr", "1e-3", "--split", "train[:80]"]  # fmt: skip
+    return ft.resolve(ft.parse_args([*base, *flags]))
+
+
+def train(config: dict, rank: int = 0, world: int = 1, epochs: int | None = None, progress=None):
+    """build + TrainingData + train_epoch (+ evaluate) as train_loop_per_worker runs them;
+    returns (model, tokenizer, history). Needs an initialised process group."""
+    import ray_train_llm_finetune as ft
+    import torch
+    from backend import get_backend
+    from loop import Progress, evaluate, train_epoch
+
+    torch.manual_seed(config["seed"])
+    model, tokenizer, optimizer = ft.build(config, get_backend("cpu"), "float32", world, None)
+    data = ft.TrainingData(config, tokenizer, rank, world)
+    schedule = data.schedule(config)
+    progress = progress or Progress(10**9, schedule.total_steps, rank)
+    history = []
+    for epoch in range(epochs or config["epochs"]):
+        data.sampler.set_epoch(epoch)
+        result = train_epoch(model, optimizer, data.loader, schedule, epoch * data.steps, config, torch.device("cpu"),
+                             progress)  # fmt: skip
+        if data.eval is not None:
+            result |= evaluate(model, data.eval, config["batch_size"], config["packing"], rank, world,
+                               torch.device("cpu"))  # fmt: skip
+        history.append(result)
+    return model, tokenizer, history
+
+
+def full_state(model) -> dict:
+    """Every parameter, whole, on rank 0 (empty on the others)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _rank_main(rank: int, world: int, rendezvous: str, config: dict, epochs: int, out: str) -> None:
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    root = Path(__file__).resolve().parent.parent
+    sys.path[:0] = [str(root), str(root / "jobs")]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if world > 1:
+        torch.set_num_threads(1)  # as Ray starts its workers (OMP_NUM_THREADS=1): ranks share the cores
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        model, _, history = train(config, rank, world, epochs)
+        state = full_state(model)
+        if rank == 0:
+            torch.save({"state": state, "history": history}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def train_ranks(config: dict, world: int, epochs: int = 1) -> dict:
+    """Train on `world` gloo ranks (processes); rank 0's {"state", "history"}."""
+    import torch
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.pt")
+        args = (world, os.path.join(tmp, "rendezvous"), config, epochs, out)
+        if world == 1:
+            _rank_main(0, *args)
+        else:
+            mp.spawn(_rank_main, args=args, nprocs=world, join=True)
+        return torch.load(out, weights_only=False)

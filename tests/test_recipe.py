@@ -1,0 +1,134 @@
+"""The recipe a user would ship, in-process: one global batch per step, the schedule, the eval,
+the walkthrough one switch away, and bad flags failing before any worker starts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.inprocess import settings, train, train_ranks
+
+
+def relative_distance(a: dict, b: dict) -> float:
+    """|a - b| / |a| over every weight together (L2). Adam turns noise-level gradients into lr-sized
+    steps, so a per-tensor maximum would measure that noise, not the recipe."""
+    assert a.keys() == b.keys()
+    return (sum(float(((a[k] - b[k]) ** 2).sum()) for k in a) / sum(float((a[k] ** 2).sum()) for k in a)) ** 0.5
+
+
+def test_one_step_is_one_global_batch_however_the_batch_is_split(tiny_assets):
+    """1 worker x 8 rows, 2 workers x 4 rows and 1 worker x 4 rows x --grad-accum 2 see the same 8
+    padded records of mixed lengths per step and end the epoch with the same weights and loss."""
+    flags = ("--no-packing", "--eval-split", "none", "--split", "train[:64]")
+    one = train_ranks(settings(tiny_assets, *flags, "--batch-size", "8"), world=1)
+    two = train_ranks(settings(tiny_assets, *flags, "--batch-size", "4", "--num-workers", "2"), world=2)
+    accumulated = train_ranks(settings(tiny_assets, *flags, "--batch-size", "4", "--grad-accum", "2"), world=1)
+    base = train_ranks(settings(tiny_assets, *flags, "--batch-size", "8", "--lr", "1e-9"), world=1)
+    # training moved the weights 3.5e-2; a per-rank mean loss would put the splits 1.3e-2 and 1.9e-2 apart
+    assert relative_distance(one["state"], base["state"]) > 1e-2
+    assert relative_distance(one["state"], two["state"]) < 1e-3  # measured: 9.8e-5
+    assert relative_distance(one["state"], accumulated["state"]) < 1e-3  # measured: 1.0e-6
+    # the gradient itself, not only its direction: FSDP sums over ranks instead of averaging a second time
+    norms = [r["history"][0]["grad_norm"] for r in (one, two, accumulated)]
+    assert norms == pytest.approx([norms[0]] * 3, rel=1e-2)  # measured 1.9e-3 apart; averaged: half
+    losses = [r["history"][0]["loss"] for r in (one, two, accumulated)]
+    assert losses == pytest.approx([losses[0]] * 3, rel=1e-5)
+    assert [r["history"][0]["steps"] for r in (one, two, accumulated)] == [8, 8, 8]
+
+
+def test_the_schedule_warms_up_then_decays_to_a_tenth():
+    from loop import Schedule
+    from recipe import lr_at, warmup_steps
+
+    schedule = Schedule(peak_lr=1e-3, kind="cosine", warmup_ratio=0.1, total_steps=100)
+    lrs = [schedule.lr(s) for s in range(100)]
+    assert warmup_steps(100, 0.1) == 10 and lrs[0] == pytest.approx(1e-4)  # no step at lr 0
+    assert lrs[:10] == pytest.approx([1e-3 * (s + 1) / 10 for s in range(10)])  # linear warmup
+    assert lrs[10] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(1e-4)  # peak, then 10% at the end
+    assert all(a > b for a, b in zip(lrs[10:], lrs[11:], strict=False))  # decays monotonically
+    assert lrs[55] == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 45 / 89)))  # cosine
+    assert {lr_at(s, 100, 1e-3, "constant", 0.0) for s in range(100)} == {1e-3}
+    assert warmup_steps(39, 0.03) == 2  # a few steps warm up even on a short run
+
+
+def test_the_eval_loss_is_token_weighted_and_leaves_the_weights_untouched(tiny_assets, gloo_rank):
+    """evaluate() against every predicted token's -log p from a plain copy of the model's own logits."""
+    from loop import evaluate
+    from ray_train_llm_finetune import TrainingData
+    from transformers import AutoModelForCausalLM
+
+    from tests.inprocess import full_state
+
+    config = settings(tiny_assets, "--eval-split", "train[80:96]", "--epochs", "1")
+    model, tokenizer, history = train(config)
+    rows = TrainingData(config, tokenizer, 0, 1).eval
+    before = full_state(model)
+    got = evaluate(model, rows, 3, True, 0, 1, torch.device("cpu"))  # batches of 3: the last is not full
+    after = full_state(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.parameters())
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_assets["model"], dtype=torch.float32).eval()
+    plain.load_state_dict(before)
+    input_ids, _, labels, positions = rows.tensors
+    with torch.no_grad():
+        logits = plain(input_ids=input_ids, position_ids=positions).logits  # soft-capped, packed rows apart
+    targets = labels[:, 1:]
+    token_losses = torch.nn.functional.cross_entropy(
+        logits[:, :-1].transpose(1, 2), targets, ignore_index=-100, reduction="none"
+    )
+    predicted = targets != -100
+    assert got["eval_tokens"] == int(predicted.sum())
+    assert got["eval_loss"] == pytest.approx(float(token_losses[predicted].mean()), rel=1e-5)
+    assert history[0]["eval_loss"] == pytest.approx(got["eval_loss"], rel=1e-6)
+    # token-weighted, not a mean of per-row means (rows hold different numbers of predicted tokens)
+    per_row = (token_losses * predicted).sum(1) / predicted.sum(1)
+    assert abs(float(per_row.mean()) - got["eval_loss"]) > 1e-4
+
+
+def test_the_walkthrough_recipe_restores_every_default_and_single_flags_still_win():
+    import ray_train_llm_finetune as ft
+
+    walk = ft.resolve(ft.parse_args(["--recipe", "walkthrough"]))
+    assert {k: walk[k] for k in ("packing", "sharded_checkpoints", "chat_template", "prompt_loss", "lr_schedule",
+                                 "warmup_ratio", "max_grad_norm", "eval_split", "loss_chunk", "grad_accum")} == {
+        "packing": False, "sharded_checkpoints": False, "chat_template": False, "prompt_loss": True,
+        "lr_schedule": "constant", "warmup_ratio": 0.0, "max_grad_norm": 0.0, "eval_split": "none",
+        "loss_chunk": 0, "grad_accum": 1,
+    }  # fmt: skip
+    default = ft.resolve(ft.parse_args([]))
+    assert (default["packing"], default["chat_template"], default["prompt_loss"], default["lr_schedule"]) == (
+        True, True, False, "cosine",
+    )  # fmt: skip
+    assert (default["warmup_ratio"], default["max_grad_norm"], default["eval_split"]) == (0.03, 1.0, "auto")
+    mixed = ft.resolve(ft.parse_args(["--recipe", "walkthrough", "--packing", "--eval-split", "auto"]))
+    assert (mixed["packing"], mixed["eval_split"], mixed["chat_template"]) == (True, "auto", False)
+
+
+BAD_FLAGS = {
+    "grad accum": (["--grad-accum", "0"], "--grad-accum must be a positive integer (got 0)"),
+    "warmup": (["--warmup-ratio", "1"], "--warmup-ratio must be in [0, 1) (got 1.0)"),
+    "negative warmup": (["--warmup-ratio", "-0.1"], "--warmup-ratio must be in [0, 1) (got -0.1)"),
+    "grad norm": (["--max-grad-norm", "-1"], "--max-grad-norm must be 0 (no clipping) or more (got -1.0)"),
+    "overlap": (
+        ["--eval-split", "train[70:90]"],
+        "the eval split train[70:90] overlaps the training split train[0:80]",
+    ),
+    "empty eval": (["--eval-split", "train[90:90]"], "the eval split holds no records (train[90:90])"),
+    "no room after": (["--split", "train"], "--eval-split auto takes the records after the training slice"),
+    "columns": (["--columns", "prompt"], "--columns 'prompt': each entry is NEW=OLD"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_FLAGS)
+def test_bad_recipe_flags_fail_before_any_worker(case, tiny_assets, tmp_path, capsys):
+    import ray_train_llm_finetune as ft
+
+    argv, message = BAD_FLAGS[case]
+    base = ["--backend", "cpu", "--num-workers", "1", "--model", tiny_assets["model"], "--dataset",
+            tiny_assets["dataset"], "--split", "train[:80]", "--storage-path", str(tmp_path)]  # fmt: skip
+    assert ft.main(base + argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
