@@ -20,8 +20,9 @@ lint: $(INSTALLED)
 	$(BIN)/hadolint image/Dockerfile
 	$(BIN)/check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
 
+# Two workers on one shared Ray head (tests/conftest.py): the end-to-end runs mostly wait, so they overlap.
 test: lint
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 # Everything but the runs on a Ray head (the `e2e` marker): under a minute on 2 cores.
 test-fast: $(INSTALLED)

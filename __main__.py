@@ -1,8 +1,9 @@
 """gemma-tpu: from an empty Google Cloud project to a fine-tuned Gemma 4 on a TPU slice.
 
 Reads the stack's config once, then declares, in order: the APIs, the GKE cluster
-(and its TPU slice in Standard mode), the checkpoint bucket, the image, the
-Kubernetes access, the RayCluster, and last the jobs that fine-tune on it.
+(and its TPU slice in Standard mode), the checkpoint bucket (and a dataset file uploaded
+into it), the image, the Kubernetes access, the RayCluster, and last the jobs that
+fine-tune on it.
 The `local` stack declares only the jobs, against a Ray head on this machine.
 """
 
@@ -11,6 +12,7 @@ import pulumi
 from infra import config
 from infra.apis import ProjectApis
 from infra.cluster import GkeCluster
+from infra.dataset import DatasetFile
 from infra.kube import KubernetesAccess
 from infra.raycluster import RayCluster, dashboard_command
 from infra.registry import ImageRegistry
@@ -25,6 +27,7 @@ else:
     after_apis = pulumi.ResourceOptions(depends_on=ProjectApis("apis", cfg.project).services)
     gke = GkeCluster(cfg.cluster_name, cfg, opts=after_apis)
     bucket = CheckpointBucket("checkpoints", cfg, opts=pulumi.ResourceOptions(depends_on=[gke.cluster]))
+    uploads = [DatasetFile("dataset", cfg, bucket.name).object] if cfg.job.dataset_file else []
     registry = ImageRegistry("registry", cfg, opts=after_apis)
     kube = KubernetesAccess("gke", gke.name, gke.endpoint, gke.ca_certificate)
     ray = RayCluster(
@@ -43,7 +46,7 @@ else:
         gke_target(cfg, gke.endpoint, gke.ca_certificate),
         cluster=gke.name,
         image=registry.image,
-        opts=pulumi.ResourceOptions(depends_on=[ray]),
+        opts=pulumi.ResourceOptions(depends_on=[ray, *uploads]),
     )
     pulumi.export("clusterName", gke.name)
     pulumi.export("kubeconfig", kube.kubeconfig)
@@ -56,6 +59,7 @@ pulumi.export("checkpoint", training.checkpoint)
 pulumi.export("checkpoints", training.checkpoints)
 pulumi.export("metrics", training.metrics)
 pulumi.export("lossCurve", training.loss_curve)
+pulumi.export("dataReport", training.data_report)
 pulumi.export("sliceHours", training.slice_hours)
 pulumi.export("collectives", training.collectives)
 pulumi.export("jobIds", training.job_ids)

@@ -41,6 +41,8 @@ _MACHINE_TYPE = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+){1,4}$")
 # characters or shell syntax, which no repository or file the jobs load can contain.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 _PATH = re.compile(r"^(~|\.{1,2})?/?[A-Za-z0-9._+@=,-]+(/[A-Za-z0-9._+@=,-]+)*/?$")
+# Data may also be gs:// objects, and files or objects named by a glob.
+_DATA_PATH = re.compile(r"^((~|\.{1,2})?/?|gs://)[A-Za-z0-9._+@=,*?-]+(/[A-Za-z0-9._+@=,*?\[\]-]+)*/?$")
 # The `datasets` split grammar: train, train[:1024], train[10%:], train+test (each part sliced or not).
 _SPLIT_PART = r"[A-Za-z0-9_]+(\[(-?\d+%?)?:(-?\d+%?)?\])?"
 _SPLIT = re.compile(rf"^{_SPLIT_PART}(\+{_SPLIT_PART})*$")
@@ -86,6 +88,10 @@ class JobSettings:
     timeout_minutes: int
     recipe: str
     grad_accum: int
+    dataset_file: str  # a local file the stack uploads to its bucket ("" for none)
+    dataset_config: str
+    dataset_columns: str
+    overlong: str
     # the recipe's keys (jobs/recipe.py): the stack's value, else the recipe's
     packing: bool
     sharded_checkpoints: bool
@@ -183,6 +189,11 @@ def version_at_least(version: str, minimum: str) -> bool:
 def is_model_ref(text: str) -> bool:
     """A hub id (`org/name`) or a path; whitespace, control characters and shell syntax never are."""
     return bool(_HUB_ID.fullmatch(text) or _PATH.fullmatch(text))
+
+
+def is_data_ref(text: str) -> bool:
+    """A hub id, a path or glob, or a gs:// object or glob."""
+    return bool(_HUB_ID.fullmatch(text) or _DATA_PATH.fullmatch(text))
 
 
 def is_split(text: str) -> bool:
@@ -351,15 +362,16 @@ def _learning_rate(r: _Reader) -> float:
 
 
 def _job(r: _Reader, local: bool) -> JobSettings:
-    for name in ("model", "dataset"):
+    for name, valid, what in (("model", is_model_ref, "a path"), ("dataset", is_data_ref, "a path, glob or gs:// URI")):
         text = r.value(name)
-        if not is_model_ref(text):
+        if not valid(text):
             r.problem(
-                f"{key(name)}: {text!r} must be a hub id (org/name) or a path, without whitespace, "
+                f"{key(name)}: {text!r} must be a hub id (org/name) or {what}, without whitespace, "
                 "control characters or shell syntax"
             )
     split = _split(r, "datasetSplit")
     recipe = _recipe(r)
+    dataset_file = _dataset_file(r)
     job = JobSettings(
         model=r.value("model"),
         dataset=r.value("dataset"),
@@ -372,6 +384,10 @@ def _job(r: _Reader, local: bool) -> JobSettings:
         timeout_minutes=r.positive("jobTimeoutMinutes"),
         recipe=recipe,
         grad_accum=r.positive("gradAccum"),
+        dataset_file=dataset_file,
+        dataset_config=_dataset_config(r),
+        dataset_columns=_dataset_columns(r),
+        overlong=_overlong(r),
         collectives_workers=r.positive("collectivesWorkers"),
         finetune_workers=r.positive("finetuneWorkers"),
         local_storage_path=str(ROOT / r.value("localStoragePath")),
@@ -384,6 +400,53 @@ def _job(r: _Reader, local: bool) -> JobSettings:
         if not is_http_url(address):
             r.problem(f"{key('rayAddress')}: {address!r} must be a Ray dashboard URL such as http://127.0.0.1:8265")
     return job
+
+
+DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+OVERLONG = ("truncate", "drop")
+
+
+def _dataset_file(r: _Reader) -> str:
+    """datasetFile: a local data file (relative to this directory), uploaded by the stack; not with dataset."""
+    text = r.value("datasetFile")
+    if not text:
+        return ""
+    if r.raw.get("dataset") is not None:
+        r.problem(
+            f"{key('datasetFile')} and {key('dataset')} are both set; the fine-tune reads one: "
+            f"unset one (pulumi config rm {key('dataset')})"
+        )
+    path = Path(text).expanduser()
+    path = path if path.is_absolute() else ROOT / path
+    if path.suffix not in DATA_SUFFIXES:
+        r.problem(f"{key('datasetFile')}: {text!r} must be a {', '.join(DATA_SUFFIXES)} file")
+    elif not path.is_file() or path.stat().st_size == 0:
+        r.problem(f"{key('datasetFile')}: {text!r} is not a file with records (looked at {path})")
+    return str(path)
+
+
+def _dataset_config(r: _Reader) -> str:
+    text = r.value("datasetConfig")
+    if text and not re.fullmatch(r"[A-Za-z0-9._-]+", text):
+        r.problem(f"{key('datasetConfig')}: {text!r} must be a dataset configuration name such as 'en'")
+    return text
+
+
+def _dataset_columns(r: _Reader) -> str:
+    text = r.value("datasetColumns")
+    if text and not _COLUMNS.fullmatch(text):
+        r.problem(
+            f"{key('datasetColumns')}: {text!r} must be NEW=OLD pairs such as prompt=question,completion=answer, "
+            "NEW one of messages, prompt, completion, instruction, context, response"
+        )
+    return text
+
+
+def _overlong(r: _Reader) -> str:
+    text = r.value("overlong")
+    if text not in OVERLONG:
+        r.problem(f"{key('overlong')}: {text!r} must be one of {', '.join(OVERLONG)}")
+    return text
 
 
 def _split(r: _Reader, name: str) -> str:

@@ -55,6 +55,13 @@ class LocalRayHead:
         }
         self.process: subprocess.Popen | None = None
 
+    @classmethod
+    def running_at(cls, port: int, dashboard_port: int, **kwargs) -> LocalRayHead:
+        """A handle on a head another process started and will stop (stop() here does nothing)."""
+        head = cls(**kwargs)
+        head.port, head.dashboard_port = port, dashboard_port
+        return head
+
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"

@@ -70,6 +70,9 @@ def job_specs(settings: dict, max_failures: int) -> list[JobSpec]:
         "--recipe", settings["recipe"],
         "--model", settings["model"],
         "--dataset", settings["dataset"],
+        *(["--dataset-config", settings["dataset_config"]] if settings["dataset_config"] else []),
+        *(["--columns", settings["dataset_columns"]] if settings["dataset_columns"] else []),
+        "--overlong", settings["overlong"],
         "--split", settings["dataset_split"],
         "--eval-split", settings["eval_split"],
         "--epochs", whole(settings["epochs"]),
@@ -92,6 +95,11 @@ def job_specs(settings: dict, max_failures: int) -> list[JobSpec]:
         JobSpec("collectives", "ray_core_collectives.py", tuple(collectives)),
         JobSpec("finetune", "ray_train_llm_finetune.py", tuple(finetune)),
     ]
+
+
+def preflight(finetune: JobSpec) -> JobSpec:
+    """The fine-tune's own data check, on the head: every record read, checked and rendered, no worker."""
+    return JobSpec("preflight", finetune.script, (*finetune.args, "--preflight"))
 
 
 def switch(flag: str, on: bool) -> str:
@@ -260,8 +268,9 @@ def run_pipeline(
 ) -> dict:
     """Collectives check, and only if it passes the fine-tune; returns the resource's outputs.
 
-    With a scaler, the slice comes up before the first job that needs it and goes back to 0
-    once the jobs have ended, succeeded or not. Interrupted (Ctrl-C, SIGTERM) while waiting, it
+    With a scaler, the fine-tune's data check runs first on the head (`--preflight`: every record
+    read and rendered, no TPU), so a bad file costs no slice-hours; then the slice comes up before
+    the first job that needs it and goes back to 0 once the jobs have ended, succeeded or not. Interrupted (Ctrl-C, SIGTERM) while waiting, it
     says which job keeps running and re-raises: nothing is stopped or scaled down, and the next
     `pulumi up` attaches to that job.
     """
@@ -269,10 +278,13 @@ def run_pipeline(
     tokens = tokens or (GoogleTokens() if props["target"]["kind"] == "gke" else None)
     client = connect(props["target"], tokens, policy, log)
     scaler = slice_scaler(props, tokens, policy, log)
-    needs_slice = scaler.up if scaler else lambda: None
+    specs = job_specs(props["settings"], props["max_failures"])
+    if scaler:
+        specs = [preflight(specs[-1]), *specs]
     results, ids, slice_hours = {}, {}, 0.0
     try:
-        for spec in job_specs(props["settings"], props["max_failures"]):
+        for spec in specs:
+            needs_slice = scaler.up if scaler and spec.name != "preflight" else lambda: None
             results[spec.name], ids[spec.name] = run_job(client, props, spec, policy, needs_slice, log)
     finally:
         # Not after an interrupt or an unreachable API server: a job may still be running on the slice.
@@ -286,6 +298,7 @@ def run_pipeline(
         "metrics": finetune["metrics"],
         "history": finetune.get("history", []),
         "loss_curve": finetune.get("loss_curve"),
+        "data_report": finetune.get("data_report"),
         "collectives": results["collectives"],
         "job_ids": ids,
         "slice_hours": round(slice_hours, 4),
@@ -304,9 +317,10 @@ def scale_down(scaler: SliceScaler, log: Log) -> float:
 def run_job(client, props: dict, spec: JobSpec, policy: RetryPolicy, needs_slice, log: Log) -> tuple[dict, str]:
     """Find, attach to or submit one job, and wait for its result; returns (result, submission id)."""
     job_base = base_id(props, spec.name)
-    if spec.name == "finetune":
-        # One Ray Train run per definition: a new attempt resumes from its checkpoints.
-        spec = JobSpec(spec.name, spec.script, (*spec.args, "--run-name", f"sft-{job_base}"))
+    if spec.name in ("preflight", "finetune"):
+        # One Ray Train run per definition: a new attempt resumes from its checkpoints. The preflight
+        # writes its data report where that run will be.
+        spec = JobSpec(spec.name, spec.script, (*spec.args, "--run-name", f"sft-{base_id(props, 'finetune')}"))
     runtime_env = {"working_dir": str(JOBS_DIR), "excludes": UPLOAD_EXCLUDES}
     submission_id = find_or_submit(client, spec, job_base, runtime_env, policy, log, needs_slice)
     try:

@@ -16,13 +16,15 @@ import pulumi.dynamic as dynamic
 
 from infra import ray_jobs
 from infra.config import StackConfig
+from infra.dataset import dataset_ref
 from infra.raycluster import DASHBOARD_PORT, head_service
 from infra.resilience import RetryPolicy
 from jobs.recipe import RECIPE_KEYS
 
 CHECKPOINT_PREFIX = "ray_train_torchtpu"
 OUTPUT_KEYS = (
-    "checkpoint", "checkpoints", "metrics", "history", "loss_curve", "collectives", "job_ids", "slice_hours",
+    "checkpoint", "checkpoints", "metrics", "history", "loss_curve", "data_report", "collectives", "job_ids",
+    "slice_hours",
 )  # fmt: skip
 # How to reach the head, how long to wait and how often to restart: changing them does not
 # re-run anything (max_failures reaches the next job submitted).
@@ -36,7 +38,10 @@ def training_settings(cfg: StackConfig) -> dict:
     job = cfg.job
     settings = {
         "model": job.model,
-        "dataset": job.dataset,
+        "dataset": dataset_ref(cfg),
+        "dataset_config": job.dataset_config,
+        "dataset_columns": job.dataset_columns,
+        "overlong": job.overlong,
         "dataset_split": job.dataset_split,
         "epochs": job.epochs,
         "batch_size": job.batch_size,
@@ -156,13 +161,15 @@ class _TrainingJobsProvider(dynamic.ResourceProvider):
 
 
 class TrainingJobs(dynamic.Resource):
-    """Outputs: checkpoint, checkpoints, metrics, history, loss_curve, collectives, job_ids, slice_hours."""
+    """Outputs: checkpoint, checkpoints, metrics, history, loss_curve, data_report, collectives, job_ids,
+    slice_hours."""
 
     checkpoint: pulumi.Output[str]
     checkpoints: pulumi.Output[list]
     metrics: pulumi.Output[dict]
     history: pulumi.Output[list]
     loss_curve: pulumi.Output[str]
+    data_report: pulumi.Output[dict]
     slice_hours: pulumi.Output[float]
     collectives: pulumi.Output[dict]
     job_ids: pulumi.Output[dict]

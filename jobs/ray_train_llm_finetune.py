@@ -532,7 +532,7 @@ def data_report(settings: dict, workers: int) -> dict:
 def print_data_report(report: dict) -> None:
     t = report["train"]
     print(
-        f"data: {t['records_read']} training records from {report['dataset']} ({report['split']}), "
+        f"data: {t['records_read']} training records ({t['format']}) from {report['dataset']} ({report['split']}), "
         f"{t['records_used']} used ({t['truncated']} truncated, {t['dropped']} dropped at --seq-len); "
         f"{t['tokens']:,} tokens, {t['predicted_share']:.1%} of them trained on; longest "
         f"{t['longest_record_tokens']} tokens ({t['longest_record']}); {report['train_rows']} rows, "

@@ -23,6 +23,8 @@ import bisect
 import json
 import os
 import random
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from backend import JobInputError
@@ -68,39 +70,40 @@ def data_files(ref: str) -> list[str]:
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(os.path.expanduser(ref))
-    try:
+    with storage_errors(ref):
         if any(c in path for c in "*?["):
             found = fs.glob(path)
         elif fs.isdir(path):
             found = [p for p in fs.find(path) if os.path.splitext(p)[1] in LOCAL_DATA]
         else:
             found = [path] if fs.exists(path) else []
-    except PermissionError as err:
-        raise JobInputError(storage_refusal(ref, err)) from None
-    except OSError as err:
-        if "403" in str(err) or "Forbidden" in str(err):
-            raise JobInputError(storage_refusal(ref, err)) from None
-        raise
     if not found:
         raise JobInputError(f"--dataset {ref!r} does not exist (no such file, directory or matching files)")
     prefix = "gs://" if ref.startswith("gs://") else ""
     return sorted(prefix + p if prefix and not p.startswith(prefix) else p for p in found)
 
 
-def storage_refusal(ref: str, err: Exception) -> str:
-    bucket = ref.removeprefix("gs://").split("/", 1)[0]
-    return (
-        f"--dataset {ref!r}: the pods may not read bucket {bucket} ({err}). Grant their Workload Identity "
-        f"roles/storage.objectViewer on it: gcloud storage buckets add-iam-policy-binding gs://{bucket} "
-        "--role=roles/storage.objectViewer --member=principal://iam.googleapis.com/projects/NUMBER/"
-        "locations/global/workloadIdentityPools/PROJECT.svc.id.goog/subject/ns/default/sa/default"
-    )
+@contextmanager
+def storage_errors(ref: str):
+    """gcsfs's refusals (403: PermissionError, or OSError "Forbidden") and absences, said for a user."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise JobInputError(f"--dataset {ref!r} does not exist") from None
+    except OSError as err:
+        if not isinstance(err, PermissionError) and "Forbidden" not in str(err) and "403" not in str(err):
+            raise
+        bucket = ref.removeprefix("gs://").split("/", 1)[0]
+        raise JobInputError(
+            f"--dataset {ref!r}: the pods may not read bucket {bucket} ({str(err).splitlines()[0]}). Grant their "
+            f"Workload Identity roles/storage.objectViewer on it: gcloud storage buckets add-iam-policy-binding "
+            f"gs://{bucket} --role=roles/storage.objectViewer --member=principal://iam.googleapis.com/projects/"
+            "PROJECT_NUMBER/locations/global/workloadIdentityPools/PROJECT.svc.id.goog/subject/ns/default/sa/default"
+        ) from None
 
 
-def first_bad_json_line(name: str) -> str | None:
-    import fsspec
-
-    with fsspec.open(name, "rt") as f:
+def first_bad_json_line(name: str, local: str) -> str | None:
+    with open(local) as f:
         if name.endswith(".json"):
             try:
                 json.load(f)
@@ -116,16 +119,30 @@ def first_bad_json_line(name: str) -> str | None:
     return None
 
 
-def load_file(name: str):
+def local_copy(name: str, into: str) -> str:
+    """A gs:// file copied to local disk (gcsfs, the pod's credentials); a local file as it is."""
+    if not name.startswith("gs://"):
+        return name
+    import fsspec
+
+    target = os.path.join(into, f"{len(os.listdir(into))}-{os.path.basename(name)}")
+    with storage_errors(name):
+        fsspec.filesystem("gs").get(name, target)
+    return target
+
+
+def load_file(name: str, into: str):
+    """One file as a Dataset; a json/jsonl line that is not JSON is named with its line number."""
     from datasets import load_dataset
 
     fmt = LOCAL_DATA.get(os.path.splitext(name)[1])
     if fmt is None:
         raise JobInputError(f"--dataset {name!r}: use json, jsonl, csv or parquet files, or a hub id")
+    local = local_copy(name, into)
     try:
-        return load_dataset(fmt, data_files=name, split="train")
+        return load_dataset(fmt, data_files=local, split="train")
     except Exception as err:  # noqa: BLE001  (datasets wraps the parser's error; find the line ourselves)
-        bad = first_bad_json_line(name) if fmt == "json" else None
+        bad = first_bad_json_line(name, local) if fmt == "json" else None
         raise JobInputError(bad or f"{name}: cannot be read as {fmt}: {err}") from None
 
 
@@ -138,7 +155,8 @@ def load_split(ref: str, name: str, config: str | None = None) -> Source:
     if name != "train":
         raise JobInputError(f"--dataset {ref!r} is files: their one split is `train` (got {name!r})")
     files = data_files(ref)
-    parts = [load_file(f) for f in files]
+    into = tempfile.mkdtemp(prefix="dataset-")
+    parts = [load_file(f, into) for f in files]
     try:
         data = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
     except ValueError as err:
@@ -187,11 +205,9 @@ def check_disjoint(train: list, held_out: list) -> None:
 
 def splits(settings: dict) -> tuple[list, list, dict[str, Source]]:
     """(train ranges, eval ranges or [], the loaded splits by name) from --split and --eval-split."""
-    from datasets import ReadInstruction
-
     eval_spec = settings["eval_split"]
-    names = {i.splitname for spec in (settings["split"], eval_spec) if spec not in ("auto", "none")
-             for i in ReadInstruction.from_spec(spec)._relative_instructions}  # fmt: skip
+    specs = [spec for spec in (settings["split"], eval_spec) if spec not in ("auto", "none")]
+    names = {part.split("[", 1)[0] for spec in specs for part in spec.split("+")}
     loaded = {n: load_split(settings["dataset"], n, settings.get("dataset_config")) for n in sorted(names)}
     sizes = {n: len(s.data) for n, s in loaded.items()}
     train = absolute(settings["split"], sizes)
@@ -210,6 +226,7 @@ class Docs:
     """Tokenized records of one split: (input_ids, labels) each, and what happened on the way."""
 
     items: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    formats: set[str] = field(default_factory=set)
     read: int = 0
     truncated: int = 0
     dropped: int = 0
@@ -219,6 +236,7 @@ class Docs:
         tokens = sum(len(ids) for ids, _ in self.items)
         predicted = sum(sum(label != IGNORE for label in labels[1:]) for _, labels in self.items)
         return {
+            "format": ", ".join(sorted(self.formats)),
             "records_read": self.read,
             "records_used": len(self.items),
             "truncated": self.truncated,
@@ -241,6 +259,7 @@ def render_ranges(ranges, loaded: dict[str, Source], tokenizer, settings: dict) 
             {old: new for old, new in settings["columns"].items() if old in source.data.column_names}
         )
         fmt = detect_format(data.column_names)
+        docs.formats.add(fmt)
         for row in range(start, stop):
             try:
                 turns = conversation(data[row], fmt)
@@ -259,11 +278,6 @@ def render_ranges(ranges, loaded: dict[str, Source], tokenizer, settings: dict) 
                 ids, labels = ids[:seq_len], labels[:seq_len]
             docs.items.append((ids, labels))
     return docs
-
-
-def record_format(settings: dict, loaded: dict[str, Source]) -> str:
-    first = next(iter(loaded.values())).data
-    return detect_format([settings["columns"].get(c, c) for c in first.column_names])
 
 
 # ---- rows -------------------------------------------------------------------------------------

@@ -1,3 +1,5 @@
+import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -6,6 +8,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "jobs")]
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Workers share the cores: one compute thread each (as Ray's workers), or their OpenMP pools
+    # oversubscribe the machine and every in-process training step runs several times slower.
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 from tests.gcp_standins import MetadataStandin, isolate_google_clients  # noqa: E402
 
@@ -28,12 +34,43 @@ def metadata_server() -> MetadataStandin:
     return METADATA
 
 
-@pytest.fixture(scope="session")
-def ray_head(tmp_path_factory):
-    """One real Ray head on 127.0.0.1 shared by every test that runs jobs."""
+# With `-n N` (make test), the xdist controller starts the one Ray head and writes the one tiny-asset
+# set before its workers start, and every worker uses them: the e2e tests mostly wait (on Ray's
+# scheduling, polling and process start-up), so two run side by side on one head.
+SHARED = "GEMMA_TPU_TEST_SHARED"
+HEAD_CPUS = 8  # logical: two workers' fine-tunes (2 each) and a collectives check (4) at once
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return  # a worker, or no workers: the session fixtures below make what is needed when it is needed
+    from tiny_assets import make_all
+
     from infra.local_ray import LocalRayHead
 
-    with LocalRayHead(log_dir=tmp_path_factory.mktemp("ray")) as head:
+    shared = Path(tempfile.mkdtemp(prefix="gemma-tpu-tests-"))
+    config.shared_head = LocalRayHead(num_cpus=HEAD_CPUS, log_dir=shared).start()
+    head = config.shared_head
+    os.environ[SHARED] = json.dumps(
+        {"port": head.port, "dashboard_port": head.dashboard_port, "assets": make_all(shared / "assets")}
+    )
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "shared_head", None) is not None:
+        config.shared_head.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory):
+    """One real Ray head on 127.0.0.1 shared by every test that runs jobs (and every xdist worker)."""
+    from infra.local_ray import LocalRayHead
+
+    if SHARED in os.environ:
+        shared = json.loads(os.environ[SHARED])
+        yield LocalRayHead.running_at(shared["port"], shared["dashboard_port"], num_cpus=HEAD_CPUS)
+        return
+    with LocalRayHead(num_cpus=HEAD_CPUS, log_dir=tmp_path_factory.mktemp("ray")) as head:
         yield head
 
 
@@ -42,6 +79,8 @@ def tiny_assets(tmp_path_factory):
     """The tiny model, tokenizer and dataset, made once per session."""
     from tiny_assets import make_all
 
+    if SHARED in os.environ:
+        return json.loads(os.environ[SHARED])["assets"]
     return make_all(tmp_path_factory.mktemp("assets"))
 
 

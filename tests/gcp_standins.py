@@ -31,7 +31,8 @@ class MetadataStandin:
                 standin.requests.append(self.path)
                 if self.headers.get("Metadata-Flavor") != "Google":
                     return self._send(403, "text/plain", "Missing Metadata-Flavor:Google header.")
-                path = self.path.split("?", 1)[0].rstrip("/")
+                # an account is named `default` or by its email (google-cloud-cpp, under pyarrow, uses the email)
+                path = self.path.split("?", 1)[0].rstrip("/").replace(f"/{SERVICE_ACCOUNT}", "/default")
                 answers = {
                     "": ("text/plain", "computeMetadata/"),
                     "/computeMetadata/v1/project/project-id": ("text/plain", PROJECT_ID),
@@ -84,6 +85,63 @@ class MetadataStandin:
         self.server.server_close()
 
 
+def point_storage_at(url: str | None) -> dict[str, str | None]:
+    """gcsfs and pyarrow's GCS client talk to `url` from now on (None: leave them); returns what was set.
+    gcsfs caches its filesystems with the endpoint they were made for, so the cache is cleared too."""
+    import gcsfs
+
+    names = ("STORAGE_EMULATOR_HOST", "CLOUD_STORAGE_EMULATOR_ENDPOINT")
+    previous = {k: os.environ.get(k) for k in names}
+    if url is not None:
+        os.environ.update(dict.fromkeys(names, url))
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    return previous
+
+
+def restore_storage(previous: dict[str, str | None]) -> None:
+    import gcsfs
+
+    for name, value in previous.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    gcsfs.GCSFileSystem.clear_instance_cache()
+
+
+class ForbiddenStorage:
+    """Cloud Storage as a bucket the caller has no role on: every request answered 403, as GCS does."""
+
+    def __init__(self):
+        class Handler(BaseHTTPRequestHandler):
+            def _refuse(self):
+                body = json.dumps({"error": {"code": 403, "message": f"{SERVICE_ACCOUNT} does not have "
+                                   "storage.objects.list access to the Google Cloud Storage bucket."}}).encode()  # fmt: skip
+                self.send_response(403)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = do_PUT = do_HEAD = _refuse  # noqa: N815
+
+            def log_message(self, *_args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> ForbiddenStorage:
+        self.thread.start()
+        self.previous = point_storage_at(f"http://127.0.0.1:{self.server.server_address[1]}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        restore_storage(self.previous)
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def isolate_google_clients(metadata_host: str, no_storage: str, gcloud_config: Path) -> None:
     """Point every Google endpoint a client library may reach at 127.0.0.1, for this process and
     every process it starts (Ray heads and workers copy the environment). Set before google-auth
@@ -116,18 +174,14 @@ class StorageEmulator:
         return self.server.url
 
     def start(self) -> StorageEmulator:
-        self.previous = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "CLOUD_STORAGE_EMULATOR_ENDPOINT")}
+        self.previous = point_storage_at(None)
         self.server.start()  # sets STORAGE_EMULATOR_HOST
-        os.environ["CLOUD_STORAGE_EMULATOR_ENDPOINT"] = self.url
+        point_storage_at(self.url)
         return self
 
     def stop(self) -> None:
         self.server.stop()
-        for name, value in self.previous.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        restore_storage(self.previous)
 
     def create_bucket(self, name: str) -> None:
         import urllib.request

@@ -46,6 +46,7 @@ class StackMocks(pulumi_mocks.Mocks):
                 "checkpoints": [ckpt],
                 "metrics": {"epoch": 3, "loss": 2.2},
                 "loss_curve": f"{storage}/sft-run/loss.png",
+                "data_report": {"train": {"records_used": 1024}},
                 "collectives": {"ok": True},
                 "job_ids": {"collectives": "c-a1", "finetune": "f-a1"},
                 "slice_hours": 0.1,

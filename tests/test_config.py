@@ -246,6 +246,24 @@ BAD["auto after a split with no end"] = (
     {"datasetSplit": "train"},
     "gemma-tpu:evalSplit: auto holds out the records after the training slice, but gemma-tpu:datasetSplit 'train' has no end",
 )
+BAD["dataset and datasetFile"] = (
+    "v6e",
+    {"dataset": "org/data", "datasetFile": "README.md"},
+    "gemma-tpu:datasetFile and gemma-tpu:dataset are both set; the fine-tune reads one",
+)
+BAD["datasetFile not data"] = (
+    "v6e",
+    {"datasetFile": "README.md"},
+    "gemma-tpu:datasetFile: 'README.md' must be a .json",
+)
+BAD["datasetFile missing"] = ("v6e", {"datasetFile": "nope.jsonl"}, "gemma-tpu:datasetFile: 'nope.jsonl' is not a file")
+BAD["bad columns"] = (
+    "v6e",
+    {"datasetColumns": "question=prompt"},
+    "gemma-tpu:datasetColumns: 'question=prompt' must be",
+)
+BAD["bad overlong"] = ("v6e", {"overlong": "wrap"}, "gemma-tpu:overlong: 'wrap' must be one of truncate, drop")
+BAD["bad dataset config"] = ("v6e", {"datasetConfig": "a b"}, "gemma-tpu:datasetConfig: 'a b' must be")
 BAD["eval garbage"] = ("v6e", {"evalSplit": "train[5]"}, "gemma-tpu:evalSplit: 'train[5]' is not auto, none or a split")
 BAD["timeout over a week"] = (
     "v6e",
@@ -287,7 +305,14 @@ def test_all_problems_are_reported_together():
 GOOD_JOB_VALUES = {
     "learningRate": ["2e-5", "1e-3", "0.5", "1"],
     "model": ["google/gemma-4-E2B-it", "gemma-4", "/models/gemma", "./m", "~/m", "gs-like.path/x_y"],
-    "dataset": ["databricks/databricks-dolly-15k", "/data/dolly.jsonl", "../d.parquet"],
+    "dataset": [
+        "databricks/databricks-dolly-15k",
+        "/data/dolly.jsonl",
+        "../d.parquet",
+        "gs://b-1/data/*.jsonl",
+        "gs://bucket/x.parquet",
+        "./data/part-*.jsonl",
+    ],
     "datasetSplit": ["train[:1024]", "train[:90%]", "train[5:-100]"],
     "evalSplit": ["auto", "none", "train[1024:1088]", "test", "train[95%:]"],
     "epochs": ["1", "1000"],

@@ -116,8 +116,10 @@ def resumed(ray_head, tiny_assets, dolly288, tmp_path_factory) -> dict:
     second = submit("resumed")
     resumed_line = f"after epoch {stopped_after} (attempt 2)"
     wait_for(lambda: resumed_line in client.get_job_logs(second), second, time.monotonic() + 120)
+    job = client.get_job_info(second).job_id  # other tests' jobs may share the head
     workers = list_actors(
-        address=ray_head.dashboard_url, filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
+        address=ray_head.dashboard_url,
+        filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE"), ("job_id", "=", job)],
     )
     os.kill(workers[-1]["pid"], signal.SIGKILL)
     while not client.get_job_status(second).is_terminal():
@@ -377,7 +379,9 @@ def test_the_fine_tune_states_its_data_and_shows_progress_and_tensorboard(by_han
     assert (report["train"]["records_used"], report["eval"]["records_used"]) == (80, 5)  # the next 1/16
     assert 0.3 < report["train"]["predicted_share"] < 1  # prompts are masked
     assert json.loads((run_dir / "data_report.json").read_text()) == report
-    assert "data: 80 training records from" in logs and "eval: 5 held-out records" in logs
+    assert (
+        "data: 80 training records (instruction/context/response) from" in logs and "eval: 5 held-out records" in logs
+    )
     assert [h["eval_loss"] is not None for h in result["history"]] == [True, True]
     steps = report["steps_per_epoch"] * 2
     progress = [line for line in logs.splitlines() if f"/{steps}  loss " in line]

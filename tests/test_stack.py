@@ -244,6 +244,9 @@ def test_training_jobs_resource(run):
         "accelerator_type": accelerator,
         "model": "google/gemma-4-E2B-it",
         "dataset": "databricks/databricks-dolly-15k",
+        "dataset_config": "",
+        "dataset_columns": "",
+        "overlong": "truncate",
         "dataset_split": "train[:1024]",
         "epochs": 3,
         "batch_size": 4,
@@ -359,3 +362,43 @@ def test_a_single_key_overrides_its_recipe():
     run = run_program("v6e", stack_config("v6e", recipe="walkthrough", packing="true", evalSplit="train[1024:1088]"))
     settings = run.one("pulumi-python:dynamic:Resource", "training").inputs["settings"]
     assert (settings["packing"], settings["eval_split"], settings["chat_template"]) == (True, "train[1024:1088]", False)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_dataset_file_is_uploaded_under_its_content_hash_and_read_by_the_job(mode, tmp_path):
+    import hashlib
+
+    from ray_train_llm_finetune import parse_args
+
+    from infra.ray_jobs import base_id, job_specs
+
+    data = tmp_path / "my-data.jsonl"
+    data.write_text('{"prompt": "Describe bees.", "completion": "Bees are warm."}\n' * 8)
+
+    def up(columns: str = "prompt=question") -> tuple[object, dict]:
+        run = run_program("v6e", stack_config("v6e", mode=mode, datasetFile=str(data), datasetColumns=columns))
+        return run, run.one("pulumi-python:dynamic:Resource", "training").inputs
+
+    run, training = up()
+    digest = hashlib.sha256(data.read_bytes()).hexdigest()[:16]
+    upload = run.one("gcp:storage/bucketObject:BucketObject").inputs
+    assert upload["bucket"] == "demo-project-v6e-checkpoints" and upload["name"] == f"datasets/my-data-{digest}.jsonl"
+    assert upload["source"].path == str(data)
+    uri = f"gs://demo-project-v6e-checkpoints/datasets/my-data-{digest}.jsonl"
+    assert training["settings"]["dataset"] == uri
+    args = parse_args(list(job_specs(training["settings"], training["max_failures"])[1].args))
+    assert (args.dataset, args.columns) == (uri, "prompt=question")
+    assert "gemma-tpu:infra:DatasetFile" in run.types
+    assert up()[1]["settings"] == training["settings"]  # unchanged file: the same run, nothing re-runs
+    data.write_text(data.read_text() + '{"prompt": "And tides?", "completion": "Tides are late."}\n')
+    edited = up()[1]
+    assert edited["settings"]["dataset"] != uri and base_id(edited, "finetune") != base_id(training, "finetune")
+
+
+def test_the_local_stack_reads_a_dataset_file_in_place(tmp_path):
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"prompt": "a", "completion": "b"}\n')
+    overrides = {"gcp:project": None, "gcp:region": None, "gcp:zone": None, "hfToken": None, "dataset": None}
+    run = run_program("local", stack_config("local", datasetFile=str(data), **overrides))
+    assert run.of_type("gcp:storage/bucketObject:BucketObject") == []
+    assert run.one("pulumi-python:dynamic:Resource", "training").inputs["settings"]["dataset"] == str(data)

@@ -61,7 +61,7 @@ def test_a_failing_check_stops_the_pipeline_then_retries_as_a_new_attempt_and_sc
         with pytest.raises(ray_jobs.JobFailed) as again:
             ray_jobs.run_pipeline(props, log=lambda _: None, tokens=FixedToken("k8s-bearer"))
     assert "-a2 ended FAILED" in str(again.value) and tpu.patches == [1, 0]
-    ids = [i for i, _ in jobs_on_head(ray_head, "fail-")]
+    ids = [i for i, _ in jobs_on_head(ray_head, "fail-collectives-")]
     assert len(ids) == 2 and ids[0].endswith("-a1") and ids[1].endswith("-a2")
 
 
@@ -145,7 +145,7 @@ def test_gke_path_survives_token_expiry_and_a_flaky_proxy_while_make_local_attac
         )
         first.start()
         deadline = time.monotonic() + 120
-        while not any(s in ("RUNNING", "PENDING") for _, s in jobs_on_head(ray_head, "gke-")):
+        while not any(s in ("RUNNING", "PENDING") for _, s in jobs_on_head(ray_head, "gke-collectives-")):
             assert time.monotonic() < deadline and first.is_alive()
             time.sleep(0.5)
         outputs["local"] = local_run.run_jobs(local_cfg(tiny_assets, tmp_path, "gke"), ray_head.dashboard_url)
@@ -153,7 +153,8 @@ def test_gke_path_survives_token_expiry_and_a_flaky_proxy_while_make_local_attac
         took = time.monotonic() - started
     assert not first.is_alive()
     a, b = outputs["gke"], outputs["local"]
-    assert (a["checkpoint"], a["job_ids"], a["metrics"]) == (b["checkpoint"], b["job_ids"], b["metrics"])
+    assert (a["checkpoint"], a["metrics"]) == (b["checkpoint"], b["metrics"])
+    assert a["job_ids"] == b["job_ids"] | {"preflight": a["job_ids"]["preflight"]}  # the same jobs (+ the data check)
     assert a["collectives"]["ok"] and a["collectives"]["world_size"] == 4 and a["metrics"]["epoch"] == 1
     # `checkpoint` is the from_pretrained export; `checkpoints` the Ray Train (sharded) ones
     assert Path(a["checkpoint"]).name == "model" and (Path(a["checkpoint"]) / "model.safetensors").exists()
@@ -177,12 +178,22 @@ def test_gke_path_survives_token_expiry_and_a_flaky_proxy_while_make_local_attac
     assert logged.index("TPU slice: 4/4 hosts ready") < next(
         i for i, line in enumerate(logged) if "[collectives] submitting" in line
     )
+    # the data was read and rendered on the head before the slice was asked for
+    checked = next(
+        i for i, line in enumerate(logged) if line.startswith("[preflight] ") and line.endswith(": SUCCEEDED")
+    )
+    assert checked < logged.index("TPU slice: scaling worker group v6e-16 to 1 (4 hosts)")
+    assert any("[preflight] data: 80 training records (instruction/context/response)" in line for line in logged)
+    assert (
+        set(a["job_ids"]) == {"preflight", "collectives", "finetune"}
+        and a["data_report"]["train"]["records_used"] == 80
+    )
     assert [r for r in proxy.refused if r[2] == 401] == []  # refreshed before expiry, never after
     assert sum(1 for r in proxy.refused if r[2] in (0, 503)) >= 10  # the faults did happen...
     assert any("retrying in" in line for line in logged)
     assert any("the submit of gke-" in line and "did reach the head" in line for line in logged)
     jobs = jobs_on_head(ray_head, "gke-")
-    assert [s for _, s in jobs] == ["SUCCEEDED", "SUCCEEDED"], jobs  # ...and still one job each
+    assert [s for _, s in jobs] == ["SUCCEEDED"] * 3, jobs  # ...and still one job each
     paths = [path for _, path, _ in proxy.requests]
     assert all(
         p.startswith("/api/v1/namespaces/default/services/ray-torchtpu-cluster-head-svc:8265/proxy/") for p in paths
@@ -234,8 +245,8 @@ def test_an_interrupt_leaves_job_and_slice_up_and_the_next_up_attaches(ray_head,
     import subprocess
     import sys
 
-    # 8 workers on the 4-CPU head: the check waits for its reservation, RUNNING, for as long as we like
-    props = local_props(ray_head, tiny_assets, tmp_path, stack="intr", collectives_workers=8)
+    # 16 workers on the 8-CPU head: the check waits for its reservation, RUNNING, for as long as we like
+    props = local_props(ray_head, tiny_assets, tmp_path, stack="intr", collectives_workers=16)
     tpu = FakeSlice("ray-torchtpu-cluster", "v6e-16", hosts=4)
     with standin(ray_head, fake_slice=tpu) as proxy:
         props["target"], props["slice"] = gke_target(proxy), slice_props(tpu)
@@ -251,7 +262,7 @@ def test_an_interrupt_leaves_job_and_slice_up_and_the_next_up_attaches(ray_head,
             stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         deadline = time.monotonic() + 120
-        while [s for _, s in jobs_on_head(ray_head, "intr-")] != ["RUNNING"]:
+        while [s for _, s in jobs_on_head(ray_head, "intr-collectives-")] != ["RUNNING"]:
             assert time.monotonic() < deadline and provider.poll() is None
             time.sleep(0.5)
         while ": RUNNING" not in (tmp_path / "provider.log").read_text():  # the provider is in its wait loop
@@ -260,7 +271,7 @@ def test_an_interrupt_leaves_job_and_slice_up_and_the_next_up_attaches(ray_head,
         provider.send_signal(signal.SIGINT)
         assert provider.wait(timeout=60) != 0
         output = (tmp_path / "provider.log").read_text()
-        [(job_id, status)] = jobs_on_head(ray_head, "intr-")
+        [(job_id, status)] = jobs_on_head(ray_head, "intr-collectives-")
         assert f"interrupted: job {job_id} keeps running on the cluster; `pulumi up` re-attaches to it" in output
         assert status == "RUNNING" and tpu.patches == [1]  # nothing stopped, nothing scaled down
 
@@ -449,16 +460,29 @@ def scaled_run(head, tiny_assets, tmp_path, stack: str, tpu: FakeSlice, ready_ti
     return None, logged
 
 
-def test_a_timed_out_job_is_stopped_and_the_slice_scaled_down_once(ray_head, tiny_assets, tmp_path):
+def test_a_timed_out_job_is_stopped_and_the_slice_never_asked_for(ray_head, tiny_assets, tmp_path):
+    """The first job, the data check on the head, outlives its 2 s: stopped, nothing else submitted, and
+    the slice left at 0 (a job that fails after the slice is up scales it down: the failing-check test)."""
     tpu = FakeSlice("ray-torchtpu-cluster", "v6e-16", hosts=4)
-    # 8 workers on the 4-CPU head never get their reservation: the job outlives its 2 s
-    err, _ = scaled_run(ray_head, tiny_assets, tmp_path, "stime", tpu, timeout_s=2, collectives_workers=8)
-    assert isinstance(err, ray_jobs.JobFailed) and "has been stopped" in str(err)
-    assert tpu.patches == [1, 0]
+    err, logged = scaled_run(ray_head, tiny_assets, tmp_path, "stime", tpu, timeout_s=2)
+    assert isinstance(err, ray_jobs.JobFailed) and "has been stopped" in str(err) and "[preflight]" in str(err)
+    assert tpu.patches == [] and not any(line.startswith("TPU slice") for line in logged)
     deadline = time.monotonic() + 60  # stopping takes a moment
     while [s for _, s in jobs_on_head(ray_head, "stime-")] != ["STOPPED"]:
         assert time.monotonic() < deadline, jobs_on_head(ray_head, "stime-")
         time.sleep(0.5)
+
+
+def test_bad_data_fails_on_the_head_before_the_slice_is_asked_for(ray_head, tiny_assets, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "Describe bees.", "completion": "Bees are warm."}\n{"prompt": "x", "completion": ""}\n')
+    tpu = FakeSlice("ray-torchtpu-cluster", "v6e-16", hosts=4)
+    err, logged = scaled_run(ray_head, tiny_assets, tmp_path, "sbad", tpu, dataset=str(bad), dataset_split="train",
+                             eval_split="none")  # fmt: skip
+    assert isinstance(err, ray_jobs.JobFailed) and "[preflight] job sbad-preflight-" in str(err)
+    assert "bad.jsonl, line 2: completion is empty; it must be non-empty text" in str(err)
+    assert tpu.patches == [] and not any(line.startswith("TPU slice") for line in logged)  # no slice-hours
+    assert [s for _, s in jobs_on_head(ray_head, "sbad-")] == ["FAILED"]  # nothing else was submitted
 
 
 def test_a_slice_that_never_comes_up_fails_with_the_reason_and_goes_back_to_zero(ray_head, tiny_assets, tmp_path):
@@ -471,7 +495,7 @@ def test_a_slice_that_never_comes_up_fails_with_the_reason_and_goes_back_to_zero
     assert "quota" in message and "stockout" in message and "reservation" in message
     assert tpu.patches == [1, 0]  # back to 0 exactly once
     assert "TPU slice: 0/2 hosts ready (GKE is adding nodes)" in logged
-    assert jobs_on_head(ray_head, "snever-") == []  # nothing was submitted
+    assert [s for i, s in jobs_on_head(ray_head, "snever-") if "-preflight-" not in i] == []  # nothing else submitted
 
 
 def test_delete_scales_the_slice_down(ray_head):

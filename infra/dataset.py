@@ -1,0 +1,52 @@
+"""A dataset file from this machine, uploaded to the stack's bucket for the fine-tune to read.
+
+The object's name carries the file's content hash, so an edited file is a new object and a new
+gs:// URI in the job's arguments (a new run), and an unchanged one changes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pulumi
+import pulumi_gcp as gcp
+
+from infra import PROJECT
+from infra.config import StackConfig
+
+DATASETS_PREFIX = "datasets"
+
+
+def object_name(path: str) -> str:
+    """datasets/<stem>-<sha256, 16 hex>.<suffix>"""
+    file = Path(path)
+    digest = hashlib.sha256(file.read_bytes()).hexdigest()[:16]
+    return f"{DATASETS_PREFIX}/{file.stem}-{digest}{file.suffix}"
+
+
+def dataset_ref(cfg: StackConfig) -> str:
+    """What the fine-tune reads: the uploaded object on GKE, the file itself in local mode."""
+    if not cfg.job.dataset_file:
+        return cfg.job.dataset
+    if cfg.local:
+        return cfg.job.dataset_file
+    return f"gs://{cfg.bucket_name}/{object_name(cfg.job.dataset_file)}"
+
+
+class DatasetFile(pulumi.ComponentResource):
+    """datasetFile, as an object in the checkpoint bucket (the pods already read and write there)."""
+
+    def __init__(
+        self, name: str, cfg: StackConfig, bucket: pulumi.Input[str], opts: pulumi.ResourceOptions | None = None
+    ):
+        super().__init__(f"{PROJECT}:infra:DatasetFile", name, None, opts)
+        self.object = gcp.storage.BucketObject(
+            name,
+            bucket=bucket,
+            name=object_name(cfg.job.dataset_file),
+            source=pulumi.FileAsset(cfg.job.dataset_file),
+            opts=pulumi.ResourceOptions(parent=self),
+        )
+        self.uri = pulumi.Output.concat("gs://", self.object.bucket, "/", self.object.name)
+        self.register_outputs({"uri": self.uri})
