@@ -14,6 +14,7 @@ from infra.apis import ProjectApis
 from infra.cluster import GkeCluster
 from infra.dataset import DatasetFile
 from infra.kube import KubernetesAccess
+from infra.models import memory_plan_output
 from infra.raycluster import RayCluster, dashboard_command
 from infra.registry import ImageRegistry
 from infra.storage import CheckpointBucket
@@ -55,6 +56,7 @@ else:
     pulumi.export("rayClusterName", ray.name)
     pulumi.export("dashboard", dashboard_command(cfg))
 
+pulumi.export("memoryPlan", memory_plan_output(cfg.job, None if cfg.local else cfg.slice))
 pulumi.export("checkpoint", training.checkpoint)
 pulumi.export("checkpoints", training.checkpoints)
 pulumi.export("metrics", training.metrics)

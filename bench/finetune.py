@@ -12,9 +12,12 @@ same seed and workers. Two comparisons:
 2. Checkpoint stall: how long the training loop waits for each epoch's checkpoint, full gather
    vs sharded, on a model big enough (`ckpt` size, ~120M parameters) for the write to matter;
    only --no-sharded-checkpoints vs --sharded-checkpoints differs.
+3. Memory: the full [rows x seq x vocab] logits against the chunked cross-entropy (--loss-chunk 0
+   vs the default), on the tiny Gemma 4 with Gemma 4's real vocabulary (262,144), 2 rows x 512
+   tokens a worker: peak memory per worker, step time and loss.
 
     python -m bench.finetune                 # the full bench, several minutes on 2 cores
-    python -m bench.finetune --rows 48 --epochs 1 --size tiny --stall-size tiny   # a smoke run
+    python -m bench.finetune --rows 48 --epochs 1 --size tiny --stall-size tiny --memory-size tiny  # a smoke run
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ CHECKPOINTS = {
     "full gather": ("--packing", "--no-sharded-checkpoints"),
     "sharded, async": ("--packing", "--sharded-checkpoints"),
 }
+LOSSES = {"full logits": ("--loss-chunk", "0"), "chunked": ()}
+GEMMA4_VOCAB = 262_144
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,6 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="model size for the checkpoint-stall comparison; the --size runs give it when the same",
     )
     p.add_argument("--stall-rows", type=int, default=8, help="records for it: a few steps per epoch")
+    p.add_argument(
+        "--memory-size", default="vocab", help="model for the memory comparison: vocab (tiny, 262,144 tokens) or tiny"
+    )
+    p.add_argument("--memory-rows", type=int, default=24, help="records for it")
     return p.parse_args(argv)
 
 
@@ -65,7 +74,11 @@ def make_assets(out: Path, size: str, rows: int) -> dict[str, str]:
 
     model_dir, data_file = out / f"model-{size}", out / f"dolly-{rows}.jsonl"
     if not (model_dir / "config.json").exists():
-        make_model(model_dir, vocab_size=len(make_tokenizer(model_dir)), size=size)
+        tokens = len(make_tokenizer(model_dir))
+        # `vocab`: the tiny shape with Gemma 4's vocabulary, whose logits dominate a step's memory
+        make_model(
+            model_dir, vocab_size=GEMMA4_VOCAB if size == "vocab" else tokens, size="tiny" if size == "vocab" else size
+        )
     if not data_file.exists():  # and 1/16 more: the default recipe's held-out eval takes them
         make_dataset(data_file, rows=rows + -(-rows // 16), mix="dolly")
     return {"model": str(model_dir), "dataset": str(data_file)}
@@ -112,6 +125,16 @@ def stall_runs(head, args: argparse.Namespace, results: dict[str, dict]) -> dict
     return {name: run_recipe(head, assets, stall_args, name, flags) for name, flags in CHECKPOINTS.items()}
 
 
+def memory_runs(head, args: argparse.Namespace, results: dict[str, dict]) -> dict[str, dict]:
+    """Full logits vs chunked on the --memory-size model; the main runs when that is their model."""
+    if args.memory_size == args.size:
+        return dict(zip(LOSSES, results.values(), strict=True))
+    memory_args = argparse.Namespace(**{**vars(args), "seq_len": 512, "batch_size": 2, "rows": args.memory_rows,
+                                        "epochs": 1})  # fmt: skip
+    assets = make_assets(args.out, args.memory_size, args.memory_rows)
+    return {name: run_recipe(head, assets, memory_args, name, flags) for name, flags in LOSSES.items()}
+
+
 def table(results: dict[str, dict], keys: list[tuple[str, str, bool]]) -> str:
     """One row per epoch and key (name, format, with a ratio), one column per run, then their ratio."""
     (first_name, first), (second_name, second) = results.items()
@@ -126,6 +149,11 @@ def table(results: dict[str, dict], keys: list[tuple[str, str, bool]]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
+MEMORY_ROWS = [
+    ("peak_memory_gib", ".2f", True),
+    ("step_time_s", ".3f", True),
+    ("loss", ".4f", True),
+]
 THROUGHPUT_ROWS = [
     ("real_tokens_per_s", ",.0f", True),
     ("steps", "d", False),
@@ -150,6 +178,7 @@ def main(argv: list[str] | None = None, head=None) -> dict:
     with nullcontext(head) if head else LocalRayHead(num_cpus=args.workers, log_dir=args.out) as head:
         results = {name: run_recipe(head, assets, args, name, flags) for name, flags in RECIPES.items()}
         stalls = stall_runs(head, args, results)
+        memory = memory_runs(head, args, results)
     walk, pack = results.values()
     ratio = pack["metrics"]["real_tokens_per_s"] / walk["metrics"]["real_tokens_per_s"]
     full, sharded = stalls.values()
@@ -162,12 +191,19 @@ def main(argv: list[str] | None = None, head=None) -> dict:
     print(table(results, THROUGHPUT_ROWS))
     print(f"\ncheckpoint stall, {args.stall_size} Gemma 4 (model and AdamW state sharded; full: the model only)\n")
     print(table(stalls, [("checkpoint_stall_s", ".3f", True), ("epoch_time_s", ".2f", False)]))
+    full, chunked = memory.values()
+    memory_ratio = chunked["metrics"]["peak_memory_gib"] / full["metrics"]["peak_memory_gib"]
+    print(
+        f"\nmemory, {args.memory_size} Gemma 4, 2 rows x 512 tokens a worker (peak: each worker's resident high-water mark)\n"
+    )
+    print(table(memory, MEMORY_ROWS))
     print(
         f"\nlast epoch: the default gives {ratio:.2f}x the walkthrough's real tokens/s; the sharded save "
-        f"stalls the loop {stall_ratio:.2f}x as long as the full gather (1/{1 / stall_ratio:.1f}); "
-        f"bench took {time.monotonic() - started:.0f}s"
+        f"stalls the loop {stall_ratio:.2f}x as long as the full gather (1/{1 / stall_ratio:.1f}); the chunked "
+        f"loss peaks at {memory_ratio:.2f}x the full logits' memory; bench took {time.monotonic() - started:.0f}s"
     )
-    return {"share": share, "ratio": ratio, "stall_ratio": stall_ratio, "results": results, "stalls": stalls}
+    return {"share": share, "ratio": ratio, "stall_ratio": stall_ratio, "memory_ratio": memory_ratio,
+            "results": results, "stalls": stalls, "memory": memory}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -64,6 +64,8 @@ JOB_LIMITS = {
     "maxFailures": (100, "each restart reloads the model; a run failing this often has a cause to fix first"),
     "gradAccum": (1024, "micro-batches per step; a global batch this large is rarely what a fine-tune wants"),
     "lossChunk": (1048576, "tokens per chunk; more than a step holds is the full logits anyway"),
+    "loraRank": (1024, "far past what LoRA fine-tunes use (8 to 64)"),
+    "loraAlpha": (4096, "the adapters' scale is alpha / rank"),
 }
 
 
@@ -88,6 +90,10 @@ class JobSettings:
     timeout_minutes: int
     recipe: str
     grad_accum: int
+    activation_checkpointing: bool
+    lora: bool
+    lora_rank: int
+    lora_alpha: int
     dataset_file: str  # a local file the stack uploads to its bucket ("" for none)
     dataset_config: str
     dataset_columns: str
@@ -384,6 +390,10 @@ def _job(r: _Reader, local: bool) -> JobSettings:
         timeout_minutes=r.positive("jobTimeoutMinutes"),
         recipe=recipe,
         grad_accum=r.positive("gradAccum"),
+        activation_checkpointing=r.boolean("activationCheckpointing"),
+        lora=r.boolean("lora"),
+        lora_rank=r.positive("loraRank"),
+        lora_alpha=r.positive("loraAlpha"),
         dataset_file=dataset_file,
         dataset_config=_dataset_config(r),
         dataset_columns=_dataset_columns(r),
@@ -531,6 +541,23 @@ def _eval_split(r: _Reader, eval_split: str, split: str) -> None:
                     return
 
 
+def _memory(r: _Reader, tpu_slice: TpuSlice, job: JobSettings) -> None:
+    """A Gemma 4 size the table knows must fit the slice's device memory, or the preview names what would."""
+    from infra.models import memory_plan, memory_remedies
+
+    needed = memory_plan(job, tpu_slice)
+    if needed is None or needed.fits:
+        return
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in needed.parts.items())
+    advice = memory_remedies(job, tpu_slice)
+    r.problem(
+        f"{key('model')}: {job.model} needs about {needed.total_gib:.1f} GiB per device on "
+        f"{tpu_slice.generation.name} {tpu_slice.topology} ({needed.hbm_gib:g} GiB a device, {needed.usable_gib:.1f} "
+        f"usable with the plan's margin): {parts}. "
+        + (f"It would fit with {'; or '.join(advice)}." if advice else "Nothing the stack can set makes it fit.")
+    )
+
+
 def parse(
     raw: Mapping[str, str | None],
     *,
@@ -565,6 +592,8 @@ def parse(
     }
     bucket = _bucket(r, stack, project, local)
     job = _job(r, local)
+    if tpu_slice is not None and mode in GKE_MODES and not r.problems:
+        _memory(r, tpu_slice, job)
     deletion_protection = r.boolean("deletionProtection")
     force_destroy = r.boolean("bucketForceDestroy")
     if r.problems:

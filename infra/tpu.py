@@ -29,6 +29,7 @@ class TpuGeneration:
     min_gke_standard: str
     min_gke_autopilot: str
     peak_bf16_tflops_per_chip: float  # dense bf16, the denominator of MFU
+    hbm_gib_per_chip: int  # all of its devices together
     # Ironwood places multi-host slices with a HIGH_THROUGHPUT workload policy
     # (a compute resource policy carrying the accelerator topology).
     uses_workload_policy: bool = False
@@ -64,6 +65,8 @@ GENERATIONS: dict[str, TpuGeneration] = {
             min_gke_standard=RAY_ADDON_MIN_GKE,
             min_gke_autopilot=RAY_ADDON_MIN_GKE,
             peak_bf16_tflops_per_chip=918,
+            # cloud.google.com/tpu/docs/tpu7x: "HBM capacity per chip (GiB)": v6e 32, TPU7x 192
+            hbm_gib_per_chip=32,
         ),
         TpuGeneration(
             name="tpu7x",
@@ -79,6 +82,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
             min_gke_standard="1.34.0-gke.2201000",
             min_gke_autopilot="1.34.1-gke.3084001",
             peak_bf16_tflops_per_chip=2307,  # both chiplets together
+            hbm_gib_per_chip=192,
             uses_workload_policy=True,
         ),
     )
@@ -113,6 +117,10 @@ class TpuSlice:
     @property
     def devices(self) -> int:
         return self.chips * self.generation.devices_per_chip
+
+    @property
+    def hbm_gib_per_device(self) -> float:
+        return self.generation.hbm_gib_per_chip / self.generation.devices_per_chip
 
     @property
     def worker_group(self) -> str:

@@ -49,6 +49,10 @@ def training_settings(cfg: StackConfig) -> dict:
         "learning_rate": job.learning_rate,
         "recipe": job.recipe,
         "grad_accum": job.grad_accum,
+        "activation_checkpointing": job.activation_checkpointing,
+        "lora": job.lora,
+        "lora_rank": job.lora_rank,
+        "lora_alpha": job.lora_alpha,
         **{name: getattr(job, name) for name in RECIPE_KEYS},
     }
     if cfg.local:

@@ -89,9 +89,12 @@ class ShardedCheckpointer:
         import torch
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        # The frozen per-layer table never changes: it comes back from the base model, not from here.
+        # Only what training changes: the frozen per-layer table, a frozen base under LoRA (the tied head
+        # too, which ignore_frozen_params misses under its second name) and constant buffers come back
+        # from the base model, not from here.
         model, optim = get_state_dict(self.model, self.optimizer, options=StateDictOptions(ignore_frozen_params=True))
-        state = {"model": model, "optimizer": optim}
+        trained = {n for n, p in self.model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        state = {"model": {k: v for k, v in model.items() if k in trained}, "optimizer": optim}
         if with_rng:
             state[f"rng_rank{self.rank}"] = torch.get_rng_state()
         return state
@@ -168,16 +171,25 @@ class ShardedCheckpointer:
 
 def save_pretrained(model, tokenizer, directory: str) -> None:
     """Gather the full state (all ranks take part; frozen parameters too), then rank 0 writes a
-    from_pretrained directory: weights, config, generation config, tokenizer with its chat template."""
+    from_pretrained directory: weights, config, generation config, tokenizer with its chat template.
+    With LoRA the adapters are merged into the weights (loading needs no peft), and also written
+    alone to `adapter/`, loadable with peft."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     # full + cpu_offload: only rank 0 receives the tensors, in CPU memory
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state_dict = get_model_state_dict(model, options=options)
-    if dist.get_rank() == 0:
-        model.save_pretrained(directory, state_dict=state_dict)
-        tokenizer.save_pretrained(directory)
+    if dist.get_rank() != 0:
+        return
+    lora = getattr(model, "lora_config", None)
+    if lora is not None:
+        from lora import ADAPTER_DIR, save_adapter, split_merged
+
+        state_dict, adapters = split_merged(state_dict, lora.lora_alpha / lora.r)
+        save_adapter(adapters, lora, model.config._name_or_path, f"{directory}/{ADAPTER_DIR}")
+    model.save_pretrained(directory, state_dict=state_dict)
+    tokenizer.save_pretrained(directory)
 
 
 def export_pretrained(model, tokenizer, filesystem, target: str) -> None:

@@ -71,6 +71,9 @@ from checkpoints import (
     write_state,
 )
 from loop import Progress, Schedule, evaluate, log_every, steps_per_epoch, train_epoch
+from lora import apply_lora, trainable_and_total
+from memory_plan import Recipe as MemoryRecipe
+from memory_plan import plan, shape_of
 from recipe import RECIPES, SCHEDULES, token_loss_sum, with_recipe
 from render import end_of_turn_id, parse_columns, require_chat_template
 from sft_data import OVERLONG, Docs, examples, is_local, render_ranges, splits
@@ -108,6 +111,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-grad-norm", type=float, default=None, help="(recipe) clip to this norm; 0: no clipping")
     p.add_argument("--loss-chunk", type=int, default=None,
                    help="(recipe) tokens per chunk of the cross-entropy; 0: the full logits at once")  # fmt: skip
+    p.add_argument(
+        "--activation-checkpointing",
+        action=switch,
+        default=False,
+        help="recompute each decoder layer's activations in the backward pass (memory for compute)",
+    )
+    p.add_argument("--lora", action=switch, default=False, help="train LoRA adapters only, the base frozen")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-alpha", type=int, default=32)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--log-every", type=int, default=None, help="steps between progress lines (default ~10/epoch)")
@@ -167,23 +179,33 @@ def freeze_per_layer_embeddings(model):
 
 
 def apply_fsdp(model, mesh, ignored: set, dtype: str = "bfloat16"):
-    """FSDP2: each decoder layer's MLP, then the root; params in the compute dtype, fp32 gradient reduction.
+    """FSDP2: each decoder layer, then the root; params in the compute dtype, fp32 gradient reduction.
 
-    Gradients are summed over ranks, not averaged: the loss is already divided by the global
-    count of predicted tokens (loop.train_step), so an average would divide a second time.
+    Each whole decoder layer is a unit (torchtitan's layout): only two are unsharded at a time. (The
+    walkthrough shards only the MLPs, which leaves every attention projection in the root, gathered
+    for the whole step: 15 GB of a 32 GB v6e chip for 31B.) Gradients are summed over ranks, not
+    averaged: the loss is already divided by the global count of predicted tokens (loop.train_step),
+    so an average would divide a second time.
     """
     import torch
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
     for layer in language_model(model).layers:
-        fully_shard(layer.mlp, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # SUM, which every backend has (gloo has no AVG)
     return model
+
+
+def apply_activation_checkpointing(model) -> None:
+    """Recompute every decoder layer in the backward pass (transformers' non-reentrant checkpointing of
+    its GradientCheckpointingLayer, applied before FSDP so the recomputation gathers the layer again,
+    as torchtitan composes them)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def loss_forward(self, input_ids, labels, attention_mask=None, position_ids=None):
@@ -238,9 +260,9 @@ def train_loop_per_worker(config: dict) -> None:
     state = resume(restored, checkpointer, config["storage_path"], rank, world)
     data = TrainingData(config, tokenizer, rank, world)
     schedule, flops_per_token = data.schedule(config), model_flops_per_token(*describe(model), config["seq_len"])
+    sizes = model_sizes(model, config, world, dtype)
     progress = Progress(config["log_every"] or log_every(data.steps), schedule.total_steps, rank, device,
                         tensorboard(ctx, rank))  # fmt: skip
-    model.train()
     for epoch in range(state["epoch"], config["epochs"]):
         data.sampler.set_epoch(epoch)  # the order is a function of (seed, epoch): restoring the epoch restores it
         backend.reset_peak_memory()
@@ -253,7 +275,7 @@ def train_loop_per_worker(config: dict) -> None:
         metrics = epoch_metrics(config, epoch + 1, trained, held_out, elapsed, world) | {
             "mfu": mfu(flops_per_token * trained["real_tokens"] / elapsed / world, peak_flops_per_device(config)),
             "model_tflops_per_s_per_device": flops_per_token * trained["real_tokens"] / elapsed / world / 1e12,
-            "peak_memory_gib": backend.peak_memory_gib(), "dtype": dtype, "attempt": state["attempt"],
+            "peak_memory_gib": backend.peak_memory_gib(), "dtype": dtype, "attempt": state["attempt"], **sizes,
         }  # fmt: skip
         progress.epoch(metrics)
         # The checkpoints serialise `state` once their stall is in `metrics`.
@@ -269,6 +291,19 @@ def train_loop_per_worker(config: dict) -> None:
     if config["sharded_checkpoints"]:
         storage = ctx.get_storage()
         export_pretrained(model, tokenizer, storage.storage_filesystem, f"{storage.experiment_fs_path}/{EXPORT_DIR}")
+
+
+def model_sizes(model, config: dict, world: int, dtype: str) -> dict:
+    """Parameters trained and in all, and the memory plan (jobs/memory_plan.py) for this run per device,
+    to read beside the measured peak."""
+    trainable, total = trainable_and_total(model)
+    recipe = MemoryRecipe(
+        devices=world, batch=config["batch_size"], seq_len=config["seq_len"], dtype_bytes=2 if dtype == "bfloat16" else 4,
+        activation_checkpointing=config["activation_checkpointing"], lora=config["lora"],
+        lora_rank=config["lora_rank"], loss_chunk=config["loss_chunk"],
+    )  # fmt: skip
+    return {"trainable_params": trainable, "total_params": total,
+            "memory_plan_gib": round(plan(model.memory_shape, recipe).total_gib, 3)}  # fmt: skip
 
 
 class TrainingData:
@@ -336,7 +371,8 @@ def resume(restored, checkpointer: ShardedCheckpointer, storage_path: str, rank:
 
 
 def build(config: dict, backend, dtype: str, world: int, restored):
-    """Model (FSDP2 over all ranks, per-layer table frozen, forward = summed token loss), tokenizer, AdamW.
+    """Model (FSDP2 over all ranks, per-layer table frozen, LoRA and activation checkpointing if asked,
+    forward = summed token loss), tokenizer, AdamW over what is trainable.
 
     Weights come from --model, or from a walkthrough-style (full) checkpoint being resumed;
     a sharded checkpoint is loaded on top afterwards.
@@ -355,9 +391,15 @@ def build(config: dict, backend, dtype: str, world: int, restored):
     if config["chat_template"]:
         stop_at_end_of_turn(model, tokenizer)
     frozen = freeze_per_layer_embeddings(model)
+    model.memory_shape = shape_of(model)  # before LoRA: the plan adds the adapters itself
+    if config["lora"]:
+        apply_lora(model, config["lora_rank"], config["lora_alpha"])
+    if config["activation_checkpointing"]:
+        apply_activation_checkpointing(model)
     model.to(backend.device())
     apply_fsdp(model, init_device_mesh(backend.device_type, (world,)), ignored={frozen}, dtype=dtype)
     use_loss_forward(model, config["loss_chunk"])
+    model.train()  # (from_pretrained gives eval mode, where transformers skips activation checkpointing)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=config["lr"], weight_decay=config["weight_decay"]
     )
@@ -425,6 +467,7 @@ def epoch_metrics(config: dict, epoch: int, trained: dict, held_out: dict, elaps
         "loss": trained["loss"],  # over every predicted token of the epoch, all ranks
         "eval_loss": held_out.get("eval_loss"),
         "epoch_time_s": elapsed,
+        "step_time_s": elapsed / max(trained["steps"], 1),
         # the walkthrough's figure: every position of every row counts, padding included
         "tokens_per_s": positions / elapsed,
         "real_tokens_per_s": trained["real_tokens"] / elapsed,
@@ -467,6 +510,9 @@ def check_flags(settings: dict) -> None:
         raise JobInputError(f"--warmup-ratio must be in [0, 1) (got {settings['warmup_ratio']})")
     if not settings["max_grad_norm"] >= 0:  # (NaN too)
         raise JobInputError(f"--max-grad-norm must be 0 (no clipping) or more (got {settings['max_grad_norm']})")
+    if settings["lora_rank"] < 1 or settings["lora_alpha"] < 1:
+        raise JobInputError(f"--lora-rank and --lora-alpha must be positive (got {settings['lora_rank']}, "
+                            f"{settings['lora_alpha']})")  # fmt: skip
     if settings["loss_chunk"] < 0:
         raise JobInputError(f"--loss-chunk must be 0 (full logits) or more (got {settings['loss_chunk']})")
     if settings["log_every"] is not None and settings["log_every"] < 1:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from functools import cache
 
 IGNORE = -100  # the label of a position whose token is not trained on
 SCHEDULES = ("cosine", "constant")
@@ -49,7 +50,7 @@ RECIPES = {
         warmup_ratio=0.03,
         max_grad_norm=1.0,
         eval_split="auto",
-        loss_chunk=1024,
+        loss_chunk=256,
     ),
     # The walkthrough exactly: padded rows, `Instruction: ... Response: ...` with the prompt in
     # the loss, constant lr, no clipping, no eval, full logits, rank 0's full checkpoint per epoch.
@@ -105,13 +106,67 @@ def predicted_tokens(labels):
     return (labels[..., 1:] != IGNORE).sum()
 
 
-def _token_losses_sum(hidden, weight, targets, softcap: float | None):
+def _capped_logits(hidden, weight, softcap: float | None):
     import torch
 
     logits = (hidden @ weight.T).float()
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
+def _full_loss_sum(hidden, weight, targets, softcap: float | None):
+    import torch
+
+    logits = _capped_logits(hidden, weight, softcap)
     return torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
+
+
+@cache
+def _chunked_loss_class():
+    import torch
+
+    class ChunkedLinearCrossEntropy(torch.autograd.Function):
+        """sum(CE(softcap(h @ W^T), y)) a chunk of positions at a time. Each chunk's gradients with
+        respect to h and W are taken while its logits exist, in the forward pass, so only one chunk
+        of [chunk, vocab] logits is ever alive and nothing is recomputed (Cut Cross Entropy's idea,
+        with Gemma's soft-cap in the chain rule); the backward pass only scales them."""
+
+        @staticmethod
+        def forward(ctx, hidden, weight, targets, softcap, chunk, with_grads):
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            grad_hidden = torch.zeros_like(hidden) if with_grads and hidden.requires_grad else None
+            grad_weight = None  # in the weight's dtype: the buffer becomes the weight's gradient itself
+            if with_grads and weight.requires_grad:
+                grad_weight = torch.zeros_like(weight)
+            for start in range(0, targets.numel(), chunk):
+                h, y = hidden[start : start + chunk], targets[start : start + chunk]
+                capped = _capped_logits(h, weight, softcap)
+                log_probs = torch.log_softmax(capped, dim=-1)
+                kept = y != IGNORE
+                safe = torch.where(kept, y, 0)
+                total -= (log_probs.gather(1, safe[:, None])[:, 0] * kept).sum()
+                if grad_hidden is None and grad_weight is None:
+                    continue
+                # d(sum CE)/d(capped) = softmax - onehot on predicted positions; then through the cap
+                grad = log_probs.exp_()
+                grad[torch.arange(len(y), device=y.device), safe] -= 1
+                grad *= kept[:, None]
+                if softcap:
+                    grad *= 1 - (capped / softcap) ** 2
+                grad = grad.to(hidden.dtype)
+                if grad_hidden is not None:
+                    grad_hidden[start : start + chunk] = grad @ weight
+                if grad_weight is not None:
+                    grad_weight.addmm_(grad.T, h)
+            ctx.save_for_backward(grad_hidden, grad_weight)
+            return total
+
+        @staticmethod
+        def backward(ctx, grad_total):
+            # scaled in place (by 1 / the global token count): no second head-sized buffer
+            grads = [g.mul_(grad_total.to(g.dtype)) if g is not None else None for g in ctx.saved_tensors]
+            return *grads, None, None, None, None
+
+    return ChunkedLinearCrossEntropy
 
 
 def token_loss_sum(hidden, weight, labels, softcap: float | None, chunk: int = 0):
@@ -119,20 +174,17 @@ def token_loss_sum(hidden, weight, labels, softcap: float | None, chunk: int = 0
 
     hidden [rows, seq, d] and labels [rows, seq]; weight is the (tied) output embedding [vocab, d].
     chunk 0 computes the logits of every position at once, as the model's own forward does. A chunk
-    of N computes them N positions at a time and recomputes each chunk's in the backward pass, so
-    at most one chunk of [N, vocab] logits is alive. Shapes stay the same every step (no selection
-    of the predicted positions), so XLA compiles once; IGNORE positions add nothing.
+    of N computes them N positions at a time (ChunkedLinearCrossEntropy): at most one chunk of
+    [N, vocab] logits is alive, and the FLOPs are the full path's. Shapes stay the same every step
+    (no selection of the predicted positions), so XLA compiles once; IGNORE positions add nothing.
     """
-    from torch.utils.checkpoint import checkpoint
+    import torch
 
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     targets = labels[:, 1:].reshape(-1)
-    if chunk <= 0 or chunk >= targets.numel():
-        return _token_losses_sum(h, weight, targets, softcap)
-    return sum(
-        checkpoint(_token_losses_sum, h[i : i + chunk], weight, targets[i : i + chunk], softcap, use_reentrant=False)
-        for i in range(0, targets.numel(), chunk)
-    )
+    if chunk <= 0:
+        return _full_loss_sum(h, weight, targets, softcap)
+    return _chunked_loss_class().apply(h, weight, targets, softcap, chunk, torch.is_grad_enabled())
 
 
 def clip_grad_norm(parameters, max_norm: float) -> float:

@@ -124,6 +124,10 @@ SIZES = {
     # ~120M parameters: big enough that writing a checkpoint takes real time, for the bench's stall table
     "ckpt": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 8, "num_attention_heads": 8,
              "head_dim": 128, "sliding_window": 128},
+    # a mixture of experts shaped like 26B-A4B's layers: a dense MLP beside 4 experts, top 2, K = V on full layers
+    "moe": {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "head_dim": 32, "sliding_window": 64, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+            "moe_intermediate_size": 32, "attention_k_eq_v": True, "num_global_key_value_heads": 1},
 }  # fmt: skip
 
 

@@ -14,7 +14,7 @@ def test_the_dolly_mix_pads_like_dolly_with_gemma(tmp_path):
 
 
 def test_bench_smoke_prints_the_side_by_side_table(ray_head, tmp_path, capsys):
-    smoke = "--size tiny --stall-size tiny --rows 48 --epochs 1 --seq-len 512".split()
+    smoke = "--size tiny --stall-size tiny --memory-size tiny --rows 48 --epochs 1 --seq-len 512".split()
     out = bench.main(["--out", str(tmp_path), *smoke], head=ray_head)
     printed = capsys.readouterr().out
     walk, pack = out["results"].values()
@@ -36,3 +36,9 @@ def test_bench_smoke_prints_the_side_by_side_table(ray_head, tmp_path, capsys):
         assert row in printed
     assert "default / walkthrough" in printed and "x the walkthrough's" in printed
     assert "sharded, async / full gather" in printed and "the sharded save stalls the loop" in printed
+    assert (
+        "chunked / full logits" in printed
+        and "epoch 1: peak_memory_gib" in printed
+        and "epoch 1: step_time_s" in printed
+    )
+    assert out["memory_ratio"] == pack["metrics"]["peak_memory_gib"] / walk["metrics"]["peak_memory_gib"]

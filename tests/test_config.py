@@ -265,6 +265,16 @@ BAD["bad columns"] = (
 BAD["bad overlong"] = ("v6e", {"overlong": "wrap"}, "gemma-tpu:overlong: 'wrap' must be one of truncate, drop")
 BAD["bad dataset config"] = ("v6e", {"datasetConfig": "a b"}, "gemma-tpu:datasetConfig: 'a b' must be")
 BAD["eval garbage"] = ("v6e", {"evalSplit": "train[5]"}, "gemma-tpu:evalSplit: 'train[5]' is not auto, none or a split")
+BAD["batch over a chip"] = (
+    "v6e",
+    {"batchSize": "64"},
+    "It would fit with activationCheckpointing: true (15.9 GiB); or",
+)
+BAD["sequence over a chip"] = (
+    "v6e",
+    {"seqLen": "131072", "batchSize": "1"},
+    "gemma-tpu:model: google/gemma-4-E2B-it needs about 36",
+)
 BAD["timeout over a week"] = (
     "v6e",
     {"jobTimeoutMinutes": "10081"},
@@ -316,8 +326,8 @@ GOOD_JOB_VALUES = {
     "datasetSplit": ["train[:1024]", "train[:90%]", "train[5:-100]"],
     "evalSplit": ["auto", "none", "train[1024:1088]", "test", "train[95%:]"],
     "epochs": ["1", "1000"],
-    "batchSize": ["1", "1024"],
-    "seqLen": ["8", "131072"],
+    "batchSize": ["1", "8"],  # (more, and E2B outgrows a v6e chip: the memory plan refuses it)
+    "seqLen": ["8", "512"],
     "maxFailures": ["0", "3", "100"],
 }
 

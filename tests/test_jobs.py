@@ -200,7 +200,8 @@ def test_the_run_ends_with_one_loadable_model_holding_the_trained_weights(resume
     assert torch.equal(trained[table], untouched[table])  # frozen, and back in the export
     dcp_to_torch_save(resumed["run_dir"] / "checkpoint_epoch_0003", resumed["storage"] / "last.pt")
     shards = torch.load(resumed["storage"] / "last.pt", weights_only=False)["model"]
-    assert shards.keys() == trained.keys() - {table}
+    buffers = {n for n, _ in base.named_buffers()} & trained.keys()  # constants: from the base model, as the table
+    assert buffers and shards.keys() == trained.keys() - {table} - buffers
     for name, tensor in shards.items():
         assert torch.equal(tensor.to(trained[name].dtype), trained[name]), name
     assert not torch.equal(trained["model.language_model.layers.0.mlp.up_proj.weight"],
@@ -253,28 +254,29 @@ def test_finetune_bad_inputs_fail_fast(tiny_assets, tmp_path, capsys):
         assert message in capsys.readouterr().err, extra
 
 
-def test_fsdp_shards_the_mlps_and_root_but_not_the_frozen_table(tiny_assets, tmp_path):
-    """apply_fsdp on a one-rank gloo group: which parameters became DTensors, and in which dtypes."""
+def test_fsdp_shards_each_decoder_layer_and_the_root_but_not_the_frozen_table(tiny_assets, gloo_rank):
+    """apply_fsdp on a one-rank gloo group: which modules are FSDP units, which parameters became
+    DTensors, in which dtypes, and that gradients are summed over ranks, not averaged."""
     import ray_train_llm_finetune as ft
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    try:
-        model = ft.load_model(tiny_assets["model"], "bfloat16")
-        table = ft.freeze_per_layer_embeddings(model)
-        ft.apply_fsdp(model, init_device_mesh("cpu", (1,)), ignored={table}, dtype="bfloat16")
-        params = dict(model.named_parameters())
-        name = "model.language_model.embed_tokens_per_layer.weight"
-        assert not isinstance(params[name], DTensor) and params[name].dtype == torch.bfloat16
-        assert not params[name].requires_grad
-        assert all(isinstance(p, DTensor) for n, p in params.items() if n != name)
-        mlp_state = ft.language_model(model).layers[0].mlp._get_fsdp_state()
-        policy = mlp_state._mp_policy
-        assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
-    finally:
-        dist.destroy_process_group()
+    model = ft.load_model(tiny_assets["model"], "bfloat16")
+    table = ft.freeze_per_layer_embeddings(model)
+    ft.apply_fsdp(model, init_device_mesh("cpu", (1,)), ignored={table}, dtype="bfloat16")
+    units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    assert units == ["", "model.language_model.layers.0", "model.language_model.layers.1"]
+    params = dict(model.named_parameters())
+    name = "model.language_model.embed_tokens_per_layer.weight"
+    assert not isinstance(params[name], DTensor) and params[name].dtype == torch.bfloat16
+    assert not params[name].requires_grad
+    assert all(isinstance(p, DTensor) for n, p in params.items() if n != name)
+    state = ft.language_model(model).layers[0]._get_fsdp_state()
+    policy = state._mp_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    group = state._fsdp_param_group
+    assert (group.gradient_divide_factor, group.force_sum_reduction_for_comms) == (1.0, True)
 
 
 # ---- the jobs by hand, as the README shows them -----------------------------------------------

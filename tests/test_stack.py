@@ -254,6 +254,10 @@ def test_training_jobs_resource(run):
         "learning_rate": 2e-05,
         "recipe": "default",
         "grad_accum": 1,
+        "activation_checkpointing": False,
+        "lora": False,
+        "lora_rank": 16,
+        "lora_alpha": 32,
         "packing": True,
         "sharded_checkpoints": True,
         "chat_template": True,
@@ -262,7 +266,7 @@ def test_training_jobs_resource(run):
         "warmup_ratio": 0.03,
         "max_grad_norm": 1.0,
         "eval_split": "auto",
-        "loss_chunk": 1024,
+        "loss_chunk": 256,
         "storage_path": f"gs://demo-project-{run.stack}-checkpoints/ray_train_torchtpu",
     }
     assert training["target"] == {
@@ -402,3 +406,47 @@ def test_the_local_stack_reads_a_dataset_file_in_place(tmp_path):
     run = run_program("local", stack_config("local", datasetFile=str(data), **overrides))
     assert run.of_type("gcp:storage/bucketObject:BucketObject") == []
     assert run.one("pulumi-python:dynamic:Resource", "training").inputs["settings"]["dataset"] == str(data)
+
+
+def test_the_memory_plan_is_a_preview_output_and_the_walkthroughs_settings_fit():
+    for stack in STACKS:
+        plan = run_program(stack, stack_config(stack)).outputs["memoryPlan"]
+        assert plan["model"] == "google/gemma-4-E2B-it" and plan["fits"] is True and plan["estimate"] is True
+        assert plan["devices"] == 16 and plan["hbm_gib"] == {"v6e": 32, "tpu7x": 96}[stack]
+        assert set(plan) >= {"weights", "gradients", "optimizer", "frozen_tables", "gathered", "activations",
+                             "logits", "total_gib", "usable_gib", "headroom_gib"}  # fmt: skip
+        assert plan["headroom_gib"] == pytest.approx(plan["usable_gib"] - plan["total_gib"], abs=0.02)
+    other = run_program("v6e", stack_config("v6e", model="my-org/my-gemma")).outputs["memoryPlan"]
+    assert other["plan"].startswith("none at preview")
+
+
+def test_31b_on_v6e_is_refused_with_its_advice_then_accepted_with_activation_checkpointing():
+    from infra.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        run_program("v6e", stack_config("v6e", model="google/gemma-4-31B-it"))
+    message = str(err.value)
+    assert "gemma-tpu:model: google/gemma-4-31B-it needs about 74.9 GiB per device on v6e 4x4" in message
+    assert "(32 GiB a device, 28.8 usable with the plan's margin)" in message and "activations 50.6" in message
+    assert message.endswith(
+        "It would fit with activationCheckpointing: true (26.3 GiB); or lora: true with activationCheckpointing: "
+        "true (11.1 GiB)."
+    )
+    accepted = run_program("v6e", stack_config("v6e", model="google/gemma-4-31B-it", activationCheckpointing="true"))
+    assert accepted.outputs["memoryPlan"]["fits"] and accepted.outputs["memoryPlan"]["total_gib"] == 26.35
+    both = run_program("v6e", stack_config("v6e", model="google/gemma-4-31B-it", activationCheckpointing="true",
+                                           lora="true"))  # fmt: skip
+    settings = both.one("pulumi-python:dynamic:Resource", "training").inputs["settings"]
+    assert (settings["lora"], settings["activation_checkpointing"], settings["lora_rank"]) == (True, True, 16)
+    from ray_train_llm_finetune import parse_args, resolve
+
+    from infra.ray_jobs import job_specs
+
+    args = resolve(parse_args(list(job_specs(settings, 3)[1].args)))
+    assert (args["lora"], args["activation_checkpointing"], args["lora_rank"], args["lora_alpha"]) == (
+        True,
+        True,
+        16,
+        32,
+    )
+    assert run_program("tpu7x", stack_config("tpu7x", model="google/gemma-4-31B-it")).outputs["memoryPlan"]["fits"]

@@ -1,0 +1,85 @@
+"""Gemma 4 sizes the stack knows before anything runs: one typed row each, for the memory plan.
+
+Each row is `memory_plan.shape_of` applied to transformers 5.23's Gemma 4 model (text only) built
+on the published config, on the meta device; tests/test_models.py rebuilds them that way and
+checks every number. The configs (hidden size, layers, heads, head dims 256/512, intermediate
+sizes, sliding windows, KV sharing, experts) are as the hub's config.json files give them, seen in
+public restatements (MaxText's checkpoint-conversion configs, mlx and vLLM ports; 2026-12):
+
+| size | layers | hidden | q/kv heads | window | notes |
+|---|---|---|---|---|---|
+| E2B | 35 | 1536 | 8/1 | 512 | 20 KV-shared layers, double-wide MLP on them; per-layer table 262,144 x 35 x 256 |
+| E4B | 42 | 2560 | 8/2 | 512 | 18 KV-shared layers; per-layer table 262,144 x 42 x 256 |
+| 26B-A4B | 30 | 2816 | 16/8 (2 global) | 1024 | 128 experts of width 704, top 8, beside a dense MLP of 2112; K = V on global layers |
+| 31B | 60 | 5376 | 32/16 (4 global) | 1024 | dense, intermediate 21,504; K = V on global layers |
+
+All: vocabulary 262,144, the head tied to the token embedding, final-logit soft-cap 30. Parameter
+counts agree with the model cards' (E2B about 5.1B and E4B about 8B with their vision and audio
+towers, which the fine-tune drops; 26B-A4B 25.2B; 31B 30.7B).
+"""
+
+from __future__ import annotations
+
+import re
+
+from jobs.memory_plan import MemoryPlan, ModelShape, Recipe, plan, remedies
+
+MODELS: dict[str, ModelShape] = {
+    m.name: m
+    for m in (
+        ModelShape("E2B", params=4628569344, per_layer_table=2348810240, embedding=402653184, largest_layer=70000640,
+                   lora_in_out=1509888, layers=35, hidden=1536, mlp_width=9654, query_width=2457, kv_width=131,
+                   heads=8, vocab=262144),
+        ModelShape("E4B", params=7463013376, per_layer_table=2818572288, embedding=671088640, largest_layer=106182144,
+                   lora_in_out=2180096, layers=42, hidden=2560, mlp_width=10240, query_width=2389, kv_width=341,
+                   heads=8, vocab=262144),
+        ModelShape("26B-A4B", params=25233141760, per_layer_table=0, embedding=738197504, largest_layer=828513408,
+                   lora_in_out=1161600, layers=30, hidden=2816, mlp_width=7744, query_width=4778, kv_width=1877,
+                   heads=16, vocab=262144, experts=128),
+        ModelShape("31B", params=30697345280, per_layer_table=0, embedding=1409286144, largest_layer=534009856,
+                   lora_in_out=7651840, layers=60, hidden=5376, mlp_width=21504, query_width=9557, kv_width=3754,
+                   heads=32, vocab=262144),
+    )
+}  # fmt: skip
+
+# google/gemma-4-E2B-it, google/gemma-4-31B (base or -it): the same weights' shapes.
+_HUB_ID = re.compile(r"^google/gemma-4-(E2B|E4B|26B-A4B|31B)(-it)?$", re.IGNORECASE)
+
+
+def known_model(ref: str) -> ModelShape | None:
+    """The table's row for a Gemma 4 hub id; None for anything else (a path, another model)."""
+    m = _HUB_ID.fullmatch(ref)
+    return MODELS[next(k for k in MODELS if k.lower() == m.group(1).lower())] if m else None
+
+
+def recipe_of(job, tpu_slice) -> Recipe:
+    """The plan's view of the stack's job settings on a slice (bf16, as on TPU)."""
+    return Recipe(
+        devices=tpu_slice.devices, batch=job.batch_size, seq_len=job.seq_len, dtype_bytes=2,
+        activation_checkpointing=job.activation_checkpointing, lora=job.lora, lora_rank=job.lora_rank,
+        loss_chunk=job.loss_chunk,
+    )  # fmt: skip
+
+
+def memory_plan(job, tpu_slice) -> MemoryPlan | None:
+    """The plan per device for a model the table knows; None for another (the job plans it from config.json)."""
+    model = known_model(job.model)
+    return None if model is None else plan(model, recipe_of(job, tpu_slice), tpu_slice.hbm_gib_per_device)
+
+
+def memory_remedies(job, tpu_slice) -> list[str]:
+    from infra.tpu import TpuSlice
+
+    generation = tpu_slice.generation
+    devices = {t: TpuSlice(generation, t).devices for t in generation.topologies}
+    return remedies(known_model(job.model), recipe_of(job, tpu_slice), tpu_slice.hbm_gib_per_device, devices)
+
+
+def memory_plan_output(job, tpu_slice) -> dict:
+    """The `memoryPlan` stack output: GiB per device by part, the total, the headroom; or why there is none."""
+    planned = memory_plan(job, tpu_slice) if tpu_slice is not None else None
+    if planned is None:
+        return {"model": job.model, "plan": "none at preview: not a Gemma 4 size of infra/models.py; the job "
+                "prints its plan from the model's config.json (memory_plan_gib, each epoch)"}  # fmt: skip
+    return {"model": job.model, "slice": f"{tpu_slice.generation.name} {tpu_slice.topology}",
+            "devices": tpu_slice.devices, "estimate": True, **planned.as_output()}  # fmt: skip

@@ -1,0 +1,201 @@
+"""How much device memory a fine-tune needs: one estimate, in one function (`plan`).
+
+No imports beyond the standard library: the stack runs it at preview (infra/models.py holds the
+Gemma 4 rows), and the job runs it on the model it loaded, to print next to what it measured.
+
+Assumptions, per device, in bytes (w: bytes per parameter of the compute dtype, 2 for bf16):
+- FSDP2 shards every parameter but the per-layer embedding table over the devices; each decoder
+  layer is a unit, the root (token embedding = the tied LM head) another. Sharded: weights w,
+  gradients w and AdamW's two moments 2w per *trainable* parameter (all of them, or LoRA's
+  adapters, r x (in + out) per targeted linear layer).
+- Unsharded at any time: the per-layer table (frozen, kept out of FSDP); the root unit (gathered
+  for the whole step) and two decoder layers (the one computing, the next prefetched); when the
+  base is trained, their unsharded gradients as well, before the reduce-scatter.
+- Activations kept for the backward pass, per token and layer: w x (8 hidden + 2 query + 2 key/value
+  + 4 MLP width) plus eager attention's heads x seq_len scores and probabilities (w + 4 + w; eager
+  attention makes the whole [seq, seq] matrix even in sliding layers). With activation
+  checkpointing only each layer's input is kept, and one layer's activations exist during its
+  recomputation.
+- Logits: the full path holds rows x seq x vocab in w, fp32 and the fp32 gradient; the chunked
+  loss one chunk's three fp32 [chunk, vocab] buffers (the head's gradient it accumulates is the
+  root unit's unsharded gradient, counted above).
+- It leaves HEADROOM of the device's memory free for the runtime, XLA's workspace and
+  fragmentation. It is an estimate: the job prints it beside the measured peak, every epoch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+GIB = 2**30
+HEADROOM = 0.10
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs of a model: parameter counts and the widths activations take."""
+
+    name: str
+    params: int  # every parameter of the text model, the tied head counted once
+    per_layer_table: int  # embed_tokens_per_layer: frozen, never sharded (0: none)
+    embedding: int  # embed_tokens, which is also the LM head
+    largest_layer: int  # parameters of the largest decoder layer (one FSDP unit)
+    lora_in_out: int  # sum of (in + out) over LoRA's target linear layers: rank r adds r x this
+    layers: int
+    hidden: int
+    mlp_width: int  # per token: the MLP's intermediate width (mean over layers; MoE: + top-k experts')
+    query_width: int  # heads x head_dim (mean over layers)
+    kv_width: int  # key/value heads x head_dim (mean over layers; 0 where layers share them)
+    heads: int
+    vocab: int
+    experts: int = 0  # a mixture of experts: the experts per layer (0: dense)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What the plan needs of a run."""
+
+    devices: int
+    batch: int  # rows per device
+    seq_len: int
+    dtype_bytes: int = 2
+    activation_checkpointing: bool = False
+    lora: bool = False
+    lora_rank: int = 16
+    loss_chunk: int = 256
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    parts: dict[str, float]  # GiB per device
+    hbm_gib: float | None  # the device's memory (None: unknown, as on CPU)
+
+    @property
+    def total_gib(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def usable_gib(self) -> float | None:
+        return None if self.hbm_gib is None else self.hbm_gib * (1 - HEADROOM)
+
+    @property
+    def fits(self) -> bool:
+        return self.usable_gib is None or self.total_gib <= self.usable_gib
+
+    def as_output(self) -> dict:
+        out = {k: round(v, 2) for k, v in self.parts.items()} | {"total_gib": round(self.total_gib, 2)}
+        if self.hbm_gib is not None:
+            out |= {"hbm_gib": self.hbm_gib, "usable_gib": round(self.usable_gib, 2),
+                    "headroom_gib": round(self.usable_gib - self.total_gib, 2), "fits": self.fits}  # fmt: skip
+        return out
+
+
+def trainable_params(model: ModelShape, recipe: Recipe) -> int:
+    return recipe.lora_rank * model.lora_in_out if recipe.lora else model.params - model.per_layer_table
+
+
+def plan(model: ModelShape, recipe: Recipe, hbm_gib: float | None = None) -> MemoryPlan:
+    """Bytes per device of a fine-tune of `model` under `recipe`, by part (see the module's docstring)."""
+    w, devices = recipe.dtype_bytes, recipe.devices
+    trainable = trainable_params(model, recipe)
+    sharded = model.params - model.per_layer_table + (trainable if recipe.lora else 0)
+    gathered = model.embedding + 2 * model.largest_layer
+    tokens = recipe.batch * recipe.seq_len
+    per_token_layer = w * (8 * model.hidden + 2 * model.query_width + 2 * model.kv_width + 4 * model.mlp_width)
+    per_token_layer += model.heads * recipe.seq_len * (w + 4 + w)
+    if recipe.activation_checkpointing:
+        activations = tokens * (model.layers * model.hidden * w + per_token_layer)
+    else:
+        activations = tokens * model.layers * per_token_layer
+    if recipe.loss_chunk > 0:  # (the head's gradient it accumulates is the root's unsharded gradient above)
+        logits = min(recipe.loss_chunk, tokens) * model.vocab * 4 * 3
+    else:
+        logits = tokens * model.vocab * (w + 4 + 4)
+    parts = {
+        "weights": sharded * w / devices,
+        "gradients": trainable * w / devices,
+        "optimizer": 2 * trainable * w / devices,
+        "frozen_tables": model.per_layer_table * w,
+        "gathered": gathered * w * (1 if recipe.lora else 2),
+        "activations": activations,
+        "logits": logits,
+    }
+    return MemoryPlan({k: v / GIB for k, v in parts.items()}, hbm_gib)
+
+
+def remedies(model: ModelShape, recipe: Recipe, hbm_gib: float, topologies: dict[str, int]) -> list[str]:
+    """What would fit, in the order to try it: activation checkpointing, LoRA, a smaller batch, a larger
+    topology (`topologies`: name -> devices), a shorter sequence (a power of two)."""
+    found = []
+
+    def fits(r: Recipe) -> MemoryPlan | None:
+        p = plan(model, r, hbm_gib)
+        return p if p.fits else None
+
+    if not recipe.activation_checkpointing and (p := fits(replace(recipe, activation_checkpointing=True))):
+        found.append(f"activationCheckpointing: true ({p.total_gib:.1f} GiB)")
+    if not recipe.lora:
+        if p := fits(replace(recipe, lora=True)):
+            found.append(f"lora: true ({p.total_gib:.1f} GiB)")
+        elif not recipe.activation_checkpointing and (
+            p := fits(replace(recipe, lora=True, activation_checkpointing=True))
+        ):
+            found.append(f"lora: true with activationCheckpointing: true ({p.total_gib:.1f} GiB)")
+    batches = [b for b in range(recipe.batch - 1, 0, -1) if fits(replace(recipe, batch=b))]
+    if batches:
+        found.append(
+            f"batchSize: {batches[0]} ({plan(model, replace(recipe, batch=batches[0]), hbm_gib).total_gib:.1f} GiB)"
+        )
+    for name, devices in sorted(topologies.items(), key=lambda t: t[1]):
+        if devices > recipe.devices and (p := fits(replace(recipe, devices=devices))):
+            found.append(f"tpuTopology: {name} ({p.total_gib:.1f} GiB)")
+            break
+    if not found:
+        shorter = [2**k for k in range(recipe.seq_len.bit_length() - 1, 6, -1) if 2**k < recipe.seq_len]
+        for seq_len in shorter:
+            if p := fits(replace(recipe, seq_len=seq_len)):
+                found.append(f"seqLen: {seq_len} ({p.total_gib:.1f} GiB)")
+                break
+    return found
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def shape_of(model, name: str = "") -> ModelShape:
+    """A loaded Hugging Face Gemma 4 model's shape (the table's rows are this, on the published configs)."""
+    import torch
+
+    text = model.config.get_text_config()
+    language = getattr(model.model, "language_model", model.model)
+    layers = list(language.layers)
+    table = getattr(language, "embed_tokens_per_layer", None)
+
+    def width(layer, module: str) -> int:
+        found = [
+            m.out_features for n, m in layer.named_modules() if n.endswith(module) and isinstance(m, torch.nn.Linear)
+        ]
+        return found[0] if found else 0
+
+    def mlp(layer) -> int:
+        experts = (text.top_k_experts or 0) * (text.moe_intermediate_size or 0) if hasattr(layer, "experts") else 0
+        return width(layer, "mlp.up_proj") + experts
+
+    targets = [m for n, m in language.named_modules()
+               if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in LORA_TARGETS]  # fmt: skip
+    return ModelShape(
+        name=name or getattr(model.config, "_name_or_path", ""),
+        params=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+        per_layer_table=table.weight.numel() if table is not None else 0,
+        embedding=language.embed_tokens.weight.numel(),
+        largest_layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+        lora_in_out=sum(m.in_features + m.out_features for m in targets),
+        layers=len(layers),
+        hidden=text.hidden_size,
+        mlp_width=sum(mlp(layer) for layer in layers) // len(layers),
+        query_width=sum(width(layer, "q_proj") for layer in layers) // len(layers),
+        kv_width=sum(width(layer, "k_proj") for layer in layers) // len(layers),
+        heads=text.num_attention_heads,
+        vocab=text.vocab_size,
+        experts=(text.num_experts or 0) if getattr(text, "enable_moe_block", False) else 0,
+    )

@@ -1,0 +1,159 @@
+"""LoRA (few parameters trained, exact resume from adapter-only checkpoints, a merged export that
+needs no peft), activation checkpointing (the same losses, layers recomputed) and a mixture of
+experts, all under FSDP2 on one gloo rank in this process."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from tests.inprocess import full_state, settings, train
+
+
+def fsdp_step_run(config: dict, epochs: range, restored_from: str | None = None, save_to: str | None = None):
+    """Epochs `epochs` of the per-worker loop (optionally loading, then saving, sharded checkpoints)."""
+    import ray_train_llm_finetune as ft
+    from backend import get_backend
+    from checkpoints import ShardedCheckpointer
+    from loop import Progress, train_epoch
+
+    torch.manual_seed(config["seed"])
+    model, tokenizer, optimizer = ft.build(config, get_backend("cpu"), "float32", 1, None)
+    checkpointer = ShardedCheckpointer(model, optimizer, 0, use_async=False)
+    if restored_from:
+        checkpointer.load(restored_from, same_world=True)
+    data = ft.TrainingData(config, tokenizer, 0, 1)
+    schedule = data.schedule(config)
+    losses = []
+    for epoch in epochs:
+        data.sampler.set_epoch(epoch)
+        result = train_epoch(model, optimizer, data.loader, schedule, epoch * data.steps, config, torch.device("cpu"),
+                             Progress(10**9, schedule.total_steps, 0))  # fmt: skip
+        losses.append(result["loss"])
+    if save_to:
+        checkpointer.save(save_to).result()
+    return model, tokenizer, losses
+
+
+def adapters(state: dict) -> dict:
+    return {k: v for k, v in state.items() if ".lora_" in k}
+
+
+def test_lora_trains_few_parameters_and_resumes_exactly_from_adapter_only_checkpoints(tiny_assets, tmp_path, gloo_rank):
+    import json
+
+    from lora import trainable_and_total
+
+    config = settings(tiny_assets, "--lora", "--lora-rank", "2", "--lora-alpha", "4", "--epochs", "2",
+                      "--eval-split", "none", "--lr", "1e-2")  # fmt: skip
+    model, _, whole = fsdp_step_run(config, range(2))
+    trainable, total = trainable_and_total(model)
+    assert 0 < trainable < 0.05 * total  # the adapters only
+    assert all(".lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if ".lora_" in n)  # the base's dtype
+    assert whole[1] < whole[0]
+
+    _, _, first = fsdp_step_run(config, range(1), save_to=str(tmp_path / "epoch1"))
+    resumed, _, second = fsdp_step_run(config, range(1, 2), restored_from=str(tmp_path / "epoch1"))
+    assert first + second == pytest.approx(whole, rel=1e-6)
+    want, got = full_state(model), full_state(resumed)
+    for name in adapters(want):
+        assert torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-7), name
+    # the checkpoint holds the adapters (and their AdamW moments), not the frozen base
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(tmp_path / "epoch1")).read_metadata().state_dict_metadata
+    weights = [k for k in saved if k.startswith("model.") and k.endswith(".weight")]  # (buffers ride along)
+    assert weights and all(".lora_" in k for k in weights)
+    assert json.dumps(sorted(saved)).count("base_layer") == 0 and "embed_tokens" not in json.dumps(sorted(saved))
+
+
+def test_the_merged_export_loads_without_peft_and_equals_base_plus_adapters(tiny_assets, tmp_path, gloo_rank):
+    import pyarrow.fs
+    from checkpoints import export_pretrained
+    from transformers import AutoModelForCausalLM
+
+    config = settings(
+        tiny_assets, "--lora", "--lora-rank", "2", "--epochs", "1", "--eval-split", "none", "--lr", "1e-2"
+    )
+    model, tokenizer, _ = train(config)
+    export_pretrained(model, tokenizer, pyarrow.fs.LocalFileSystem(), str(tmp_path / "model"))
+
+    peft_modules = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "peft" or k.startswith("peft.")}
+    sys.modules["peft"] = None  # any attempt to import peft now fails
+    try:
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
+    finally:
+        del sys.modules["peft"]
+        sys.modules.update(peft_modules)
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_assets["model"], dtype=torch.float32)  # as trained on CPU
+    untouched = {k: v.clone() for k, v in base.state_dict().items()}
+    reference = PeftModel.from_pretrained(base, tmp_path / "model" / "adapter").merge_and_unload().state_dict()
+    assert merged.keys() == reference.keys() == untouched.keys()
+    for name in merged:
+        assert torch.allclose(merged[name], reference[name], rtol=1e-5, atol=1e-6), name
+    q = "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[q], untouched[q])  # the adapters changed it
+
+
+def count_layer_calls(model) -> list[int]:
+    """Calls of the first decoder layer's MLP. (transformers checkpoints a layer's `forward`, keeping FSDP2's
+    hooks on the layer itself outside the recomputation: its children run again, not the layer's hooks.)"""
+    import ray_train_llm_finetune as ft
+
+    calls = [0]
+    ft.language_model(model).layers[0].mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def test_activation_checkpointing_recomputes_each_layer_and_keeps_the_losses(tiny_assets, gloo_rank):
+    import ray_train_llm_finetune as ft
+    from backend import get_backend
+    from sft_data import model_inputs
+
+    losses, calls = {}, {}
+    for ac in (False, True):
+        config = settings(tiny_assets, "--eval-split", "none", *(["--activation-checkpointing"] if ac else []))
+        model, tokenizer, _ = ft.build(config, get_backend("cpu"), "float32", 1, None)
+        counted = count_layer_calls(model)
+        batch = next(iter(ft.TrainingData(config, tokenizer, 0, 1).loader))
+        loss = model(**model_inputs(batch, True, "cpu"))
+        loss.backward()
+        losses[ac] = (float(loss), {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None})
+        calls[ac] = counted[0]
+    assert calls == {False: 1, True: 2}  # the backward pass ran the layer again
+    assert losses[True][0] == pytest.approx(losses[False][0], rel=1e-6)
+    for name, grad in losses[False][1].items():
+        assert torch.allclose(losses[True][1][name], grad, rtol=1e-5, atol=1e-7), name
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tiny_assets, tmp_path_factory):
+    """The tiny Gemma 4 as a mixture of experts (jobs/tiny_assets.py's `moe` size), same tokenizer."""
+    import shutil
+
+    from tiny_assets import make_model
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("moe") / "model"
+    shutil.copytree(tiny_assets["model"], out, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    make_model(out, vocab_size=len(AutoTokenizer.from_pretrained(tiny_assets["model"])), size="moe")
+    return {"model": str(out), "dataset": tiny_assets["dataset"]}
+
+
+def test_a_mixture_of_experts_trains_under_fsdp_and_lora_leaves_its_experts(tiny_moe, gloo_rank):
+    from lora import trainable_and_total
+
+    config = settings(tiny_moe, "--eval-split", "none", "--epochs", "2", "--lr", "1e-2")
+    model, _, history = train(config)
+    assert hasattr(model.model.language_model.layers[0], "experts")
+    assert history[1]["loss"] < history[0]["loss"]
+    lora = settings(tiny_moe, "--eval-split", "none", "--epochs", "1", "--lora", "--lora-rank", "2")
+    model, _, history = train(lora)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and not any("experts" in n for n in trainable) and history[0]["loss"] > 0
+    assert trainable_and_total(model)[0] < trainable_and_total(model)[1]
