@@ -15,6 +15,7 @@ from infra.cluster import GkeCluster
 from infra.dataset import DatasetFile
 from infra.kube import KubernetesAccess
 from infra.models import memory_plan_output
+from infra.prices import cost_estimate, run_cost
 from infra.raycluster import RayCluster, dashboard_command
 from infra.registry import ImageRegistry
 from infra.storage import CheckpointBucket
@@ -57,6 +58,9 @@ else:
     pulumi.export("dashboard", dashboard_command(cfg))
 
 pulumi.export("memoryPlan", memory_plan_output(cfg.job, None if cfg.local else cfg.slice))
+pulumi.export("costEstimate", cost_estimate(cfg))
+pulumi.export("cost", pulumi.Output.all(training.slice_hours, training.run_hours).apply(
+    lambda hours: run_cost(hours[0] or 0.0, hours[1] or 0.0, cfg)))  # fmt: skip
 pulumi.export("checkpoint", training.checkpoint)
 pulumi.export("checkpoints", training.checkpoints)
 pulumi.export("metrics", training.metrics)

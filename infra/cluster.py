@@ -6,7 +6,7 @@ import pulumi
 import pulumi_gcp as gcp
 
 from infra import PROJECT
-from infra.config import StackConfig
+from infra.config import StackConfig, flex_start_run_minutes
 
 TPU_POOL_NAME = "tpu-multi-host-pool"
 
@@ -70,6 +70,11 @@ def tpu_node_config(cfg: StackConfig) -> dict:
     }
     if cfg.spot:
         node["spot"] = True
+    if cfg.capacity == "flexStart":
+        # Dynamic Workload Scheduler: GKE gets the capacity when the slice is asked for, and the nodes
+        # run at most this long (provisioning, then the collectives check and the fine-tune).
+        minutes = flex_start_run_minutes(cfg.job.timeout_minutes, cfg.slice_ready_timeout_minutes)
+        node |= {"flex_start": True, "max_run_duration": f"{minutes * 60}s"}
     if cfg.reservation:
         node["reservation_affinity"] = {
             "consume_reservation_type": "SPECIFIC_RESERVATION",
@@ -83,7 +88,7 @@ def tpu_pool_args(cfg: StackConfig, cluster_name: pulumi.Input[str], policy_name
     placement = {"type": cfg.slice.generation.placement_type, "tpu_topology": cfg.slice.topology}
     if cfg.slice.generation.uses_workload_policy:
         placement["policy_name"] = policy_name
-    return {
+    args = {
         "name": TPU_POOL_NAME,
         "project": cfg.project,
         "cluster": cluster_name,
@@ -92,6 +97,11 @@ def tpu_pool_args(cfg: StackConfig, cluster_name: pulumi.Input[str], policy_name
         "node_config": tpu_node_config(cfg),
         "placement_policy": placement,
     }
+    if cfg.capacity == "flexStart":
+        # flex-start nodes are not repaired, GKE refuses auto-repair on their pools (cluster-toolkit's
+        # tpu7x flex-start blueprint sets it off too); a node that fails is replaced by the next scale-up
+        args["management"] = {"auto_repair": False, "auto_upgrade": True}
+    return args
 
 
 def pool_size(cfg: StackConfig) -> dict:

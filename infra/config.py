@@ -122,8 +122,10 @@ class StackConfig:
     zone: str | None
     mode: str
     slice: TpuSlice
+    capacity: str  # onDemand, spot, flexStart or reservation
     spot: bool
     reservation: str
+    price_per_chip_hour: float | None  # a negotiated price, over the prices table
     scale_to_zero: bool  # the TPU worker group (and node pool) at 0 except while jobs run
     slice_ready_timeout_minutes: int
     cluster_name: str
@@ -311,19 +313,79 @@ def _place(r: _Reader, mode: str, project: str | None, region: str | None, zone:
     return region
 
 
-def _capacity(r: _Reader, mode: str) -> tuple[bool, str]:
-    """Spot or a reservation (or neither); returns (spot, reservation)."""
+CAPACITIES = ("onDemand", "spot", "flexStart", "reservation")
+# GKE "About flex-start" (cloud.google.com/kubernetes-engine/docs/concepts/dws, 2026): TPUs need
+# 1.33.0-gke.1712000 or later; v6e is offered in asia-northeast1-b, us-east5-a and us-east5-b; a
+# flex-start VM runs at most 7 days.
+FLEX_START_MIN_GKE = "1.33.0-gke.1712000"
+FLEX_START_MAX_RUN_MINUTES = 7 * 24 * 60
+
+
+def _capacity(r: _Reader, mode: str) -> tuple[str, bool, str]:
+    """capacity, with the older `spot` and `reservation` keys mapped onto it; returns (capacity, spot, reservation)."""
     spot = r.boolean("spot")
     reservation = r.value("reservation")
+    given = r.raw.get("capacity")
     if reservation and not _RESERVATION.fullmatch(reservation):
         r.problem(f"{key('reservation')}: {reservation!r} must be NAME or projects/PROJECT/reservations/NAME")
-    if mode == "local" and (spot or reservation):
-        r.problem(f"{key('mode')}: 'local' runs no TPU; unset {key('spot')} and {key('reservation')} for it")
+    if given is not None and given not in CAPACITIES:
+        r.problem(f"{key('capacity')}: {given!r} is not a capacity kind; allowed: {', '.join(CAPACITIES)}")
+        return "onDemand", spot, reservation
+    implied = "spot" if spot else "reservation" if reservation else None
+    if mode == "local" and (spot or reservation or given not in (None, "onDemand")):
+        r.problem(
+            f"{key('mode')}: 'local' runs no TPU; unset {key('capacity')}, {key('spot')} and {key('reservation')} for it"
+        )
     elif spot and reservation:
         r.problem(
             f"{key('spot')}: true cannot be combined with {key('reservation')} {reservation!r}: Spot VMs do not consume reservations; unset one"
         )
-    return spot, reservation
+    elif given is not None and implied is not None and given != implied:
+        r.problem(f"{key('capacity')}: {given!r} contradicts {key('spot' if spot else 'reservation')} "
+                  f"({'true' if spot else repr(reservation)}), which means {implied!r}; set one of them")  # fmt: skip
+    elif given == "reservation" and not reservation:
+        r.problem(
+            f"{key('capacity')}: 'reservation' needs {key('reservation')}: NAME or projects/PROJECT/reservations/NAME"
+        )
+    capacity = given or implied or "onDemand"
+    return capacity, capacity == "spot", reservation
+
+
+def _flex_start(
+    r: _Reader, capacity: str, scale_to_zero: bool, version: str, job_timeout: int, ready_timeout: int
+) -> None:
+    if capacity != "flexStart":
+        return
+    if not scale_to_zero:
+        r.problem(
+            f"{key('capacity')}: flexStart gets its capacity when the job resource scales the slice up; "
+            f"it needs {key('scaleToZero')}: true"
+        )
+    if parse_version(version) is not None and not version_at_least(version, FLEX_START_MIN_GKE):
+        r.problem(
+            f"{key('clusterVersion')}: {version!r} is too old for TPU flex-start; need {FLEX_START_MIN_GKE} or newer"
+        )
+    if flex_start_run_minutes(job_timeout, ready_timeout) > FLEX_START_MAX_RUN_MINUTES:
+        r.problem(
+            f"{key('jobTimeoutMinutes')}: {job_timeout} is too long for flex-start, whose nodes run at most 7 days "
+            f"(the slice must outlive the data check, the collectives check and the fine-tune, each up to jobTimeoutMinutes)"
+        )
+
+
+def flex_start_run_minutes(job_timeout: int, ready_timeout: int) -> int:
+    """How long a flex-start slice may run: provisioning, then the collectives check and the fine-tune."""
+    return ready_timeout + 2 * job_timeout
+
+
+def _price(r: _Reader) -> float | None:
+    text = r.value("pricePerChipHour")
+    if not text:
+        return None
+    price = r.typed("pricePerChipHour", float)
+    if price is not None and not (math.isfinite(price) and 0 <= price < 1000):
+        r.problem(f"{key('pricePerChipHour')}: {text!r} must be a price in USD per chip-hour, such as 2.70")
+        return None
+    return price
 
 
 def _scale_to_zero(r: _Reader, reservation: str) -> bool:
@@ -575,7 +637,7 @@ def parse(
     region = _place(r, mode, project, region, zone)
     if not has_token and not local:
         r.problem(f"{key('hfToken')}: not set; run: pulumi config set --secret hfToken hf_...")
-    spot, reservation = _capacity(r, mode)
+    capacity, spot, reservation = _capacity(r, mode)
     scale_to_zero = _scale_to_zero(r, reservation)
     slice_ready_timeout = r.positive("sliceReadyTimeoutMinutes")
     version = _cluster_version(r, mode, tpu_slice)
@@ -592,6 +654,8 @@ def parse(
     }
     bucket = _bucket(r, stack, project, local)
     job = _job(r, local)
+    _flex_start(r, capacity, scale_to_zero, version, job.timeout_minutes, slice_ready_timeout)
+    price = _price(r)
     if tpu_slice is not None and mode in GKE_MODES and not r.problems:
         _memory(r, tpu_slice, job)
     deletion_protection = r.boolean("deletionProtection")
@@ -605,8 +669,10 @@ def parse(
         zone=zone if mode == "standard" else None,
         mode=mode,
         slice=tpu_slice,
+        capacity=capacity,
         spot=spot,
         reservation=reservation,
+        price_per_chip_hour=price,
         scale_to_zero=scale_to_zero and mode != "local",
         slice_ready_timeout_minutes=slice_ready_timeout,
         cluster_version=version,

@@ -263,7 +263,7 @@ def slice_scaler(props: dict, tokens: TokenSource | None, policy: RetryPolicy, l
     )
     return SliceScaler(
         api, target["namespace"], tpu["ray_cluster"], tpu["group"], int(tpu["hosts"]), tpu["ready_timeout_s"],
-        poll_s=min(props["poll_s"], 10), log=log,
+        poll_s=min(props["poll_s"], 10), log=log, flex_start=tpu.get("capacity") == "flexStart",
     )  # fmt: skip
 
 
@@ -285,7 +285,7 @@ def run_pipeline(
     specs = job_specs(props["settings"], props["max_failures"])
     if scaler:
         specs = [preflight(specs[-1]), *specs]
-    results, ids, slice_hours = {}, {}, 0.0
+    results, ids, slice_hours, started = {}, {}, 0.0, time.monotonic()
     try:
         for spec in specs:
             needs_slice = scaler.up if scaler and spec.name != "preflight" else lambda: None
@@ -295,6 +295,9 @@ def run_pipeline(
         leave_up = isinstance(sys.exc_info()[1], KeyboardInterrupt | Unreachable)
         if scaler and scaler.up_since is not None and not leave_up:
             slice_hours = scale_down(scaler, log)
+    run_hours = (time.monotonic() - started) / 3600
+    if props.get("price"):
+        log(cost_line(props["price"], slice_hours, run_hours))
     finetune = results["finetune"]
     return {
         "checkpoint": finetune["checkpoint"],
@@ -306,7 +309,18 @@ def run_pipeline(
         "collectives": results["collectives"],
         "job_ids": ids,
         "slice_hours": round(slice_hours, 4),
+        "run_hours": round(run_hours, 4),
     }
+
+
+def cost_line(price: dict, slice_hours: float, run_hours: float) -> str:
+    """What the run's slice cost (its host-hours x chips x the price), and what an always-on slice would have."""
+    rate, chips_per_host, chips = price["usd_per_chip_hour"], price["chips_per_host"], price["chips"]
+    used = slice_hours * chips_per_host * rate
+    return (
+        f"cost: ${used:,.2f} for {slice_hours:.2f} slice host-hours at ${rate:.2f} per chip-hour "
+        f"(the walkthrough's always-on slice: at least ${run_hours * chips * rate:,.2f} for the same {run_hours:.2f} h)"
+    )
 
 
 def scale_down(scaler: SliceScaler, log: Log) -> float:

@@ -31,11 +31,13 @@ def _token_env() -> dict:
 
 
 def _autopilot_selectors(cfg: StackConfig) -> dict[str, str]:
-    """Autopilot has no node pools: Spot and reservations are asked for by the pods."""
+    """Autopilot has no node pools: Spot, flex-start and reservations are asked for by the pods."""
     if not cfg.autopilot:
         return {}
     if cfg.spot:
         return {"cloud.google.com/gke-spot": "true"}
+    if cfg.capacity == "flexStart":  # GKE's documented pod selector for flex-start capacity
+        return {"cloud.google.com/gke-flex-start": "true"}
     if cfg.reservation:
         selectors = {
             "cloud.google.com/reservation-name": cfg.reservation_name,

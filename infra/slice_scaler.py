@@ -51,6 +51,7 @@ class SliceScaler:
     ready_timeout_s: float
     poll_s: float = 10
     log: Callable[[str], None] = print
+    flex_start: bool = False  # capacity from the Dynamic Workload Scheduler: the wait is for it
     up_since: float | None = field(default=None, init=False)  # monotonic time of the scale-up request
 
     @property
@@ -106,7 +107,8 @@ class SliceScaler:
             if ready >= self.hosts:
                 self.log(f"TPU slice: {self.hosts}/{self.hosts} hosts ready")
                 return
-            waiting = "GKE is adding nodes" if not all(is_scheduled(p) for p in pods) or not pods else "Ray is starting"
+            adding = "waiting for flex-start capacity" if self.flex_start else "GKE is adding nodes"
+            waiting = adding if not all(is_scheduled(p) for p in pods) or not pods else "Ray is starting"
             progress = f"TPU slice: {ready}/{self.hosts} hosts ready ({waiting})"
             if progress != shown:
                 self.log(progress)

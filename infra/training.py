@@ -24,11 +24,11 @@ from jobs.recipe import RECIPE_KEYS
 CHECKPOINT_PREFIX = "ray_train_torchtpu"
 OUTPUT_KEYS = (
     "checkpoint", "checkpoints", "metrics", "history", "loss_curve", "data_report", "collectives", "job_ids",
-    "slice_hours",
+    "slice_hours", "run_hours",
 )  # fmt: skip
 # How to reach the head, how long to wait and how often to restart: changing them does not
 # re-run anything (max_failures reaches the next job submitted).
-REACH_KEYS = ("target", "timeout_s", "poll_s", "retry_budget_s", "slice", "max_failures")
+REACH_KEYS = ("target", "timeout_s", "poll_s", "retry_budget_s", "slice", "max_failures", "price")
 # How long a call to the head may keep failing (connection errors, 5xx) before `up` gives up.
 RETRY_BUDGET_S = RetryPolicy.budget_s
 
@@ -108,7 +108,19 @@ def training_props(cfg: StackConfig, target: dict, cluster: pulumi.Input[str], i
         "poll_s": 2 if cfg.local else 15,
         "retry_budget_s": RETRY_BUDGET_S,
         "slice": slice_settings(cfg),
+        "price": price_settings(cfg),
     }
+
+
+def price_settings(cfg: StackConfig) -> dict | None:
+    """What the job resource needs to print the run's cost: the slice's price, when there is one."""
+    from infra.prices import price_of
+
+    price = None if cfg.local or not cfg.scale_to_zero else price_of(cfg)
+    if price is None:
+        return None
+    return {"usd_per_chip_hour": price.usd_per_chip_hour, "chips_per_host": cfg.slice.generation.chips_per_host,
+            "chips": cfg.slice.chips}  # fmt: skip
 
 
 def slice_settings(cfg: StackConfig) -> dict | None:
@@ -120,6 +132,7 @@ def slice_settings(cfg: StackConfig) -> dict | None:
         "group": cfg.slice.worker_group,
         "hosts": cfg.slice.hosts,
         "ready_timeout_s": cfg.slice_ready_timeout_minutes * 60,
+        "capacity": cfg.capacity,
     }
 
 
@@ -166,7 +179,7 @@ class _TrainingJobsProvider(dynamic.ResourceProvider):
 
 class TrainingJobs(dynamic.Resource):
     """Outputs: checkpoint, checkpoints, metrics, history, loss_curve, data_report, collectives, job_ids,
-    slice_hours."""
+    slice_hours, run_hours."""
 
     checkpoint: pulumi.Output[str]
     checkpoints: pulumi.Output[list]
@@ -175,6 +188,7 @@ class TrainingJobs(dynamic.Resource):
     loss_curve: pulumi.Output[str]
     data_report: pulumi.Output[dict]
     slice_hours: pulumi.Output[float]
+    run_hours: pulumi.Output[float]
     collectives: pulumi.Output[dict]
     job_ids: pulumi.Output[dict]
 

@@ -48,6 +48,8 @@ class ModelShape:
     kv_width: int  # key/value heads x head_dim (mean over layers; 0 where layers share them)
     heads: int
     vocab: int
+    active_params: int  # the weights a token passes through: all but the per-layer table, and of a mixture
+    # of experts only its top-k experts' share
     experts: int = 0  # a mixture of experts: the experts per layer (0: dense)
 
 
@@ -181,6 +183,8 @@ def shape_of(model, name: str = "") -> ModelShape:
         experts = (text.top_k_experts or 0) * (text.moe_intermediate_size or 0) if hasattr(layer, "experts") else 0
         return width(layer, "mlp.up_proj") + experts
 
+    experts = sum(p.numel() for n, p in language.named_parameters() if ".experts." in n)
+    top_k = (text.top_k_experts or 0) / (text.num_experts or 1) if experts else 0
     targets = [m for n, m in language.named_modules()
                if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in LORA_TARGETS]  # fmt: skip
     return ModelShape(
@@ -197,5 +201,8 @@ def shape_of(model, name: str = "") -> ModelShape:
         kv_width=sum(width(layer, "k_proj") for layer in layers) // len(layers),
         heads=text.num_attention_heads,
         vocab=text.vocab_size,
+        active_params=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        - (table.weight.numel() if table is not None else 0)
+        - round(experts * (1 - top_k)),
         experts=(text.num_experts or 0) if getattr(text, "enable_moe_block", False) else 0,
     )

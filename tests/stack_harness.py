@@ -50,6 +50,7 @@ class StackMocks(pulumi_mocks.Mocks):
                 "collectives": {"ok": True},
                 "job_ids": {"collectives": "c-a1", "finetune": "f-a1"},
                 "slice_hours": 0.1,
+                "run_hours": 0.5,
             }
         elif args.typ == "gcp:storage/bucket:Bucket":
             state |= {"url": f"gs://{args.inputs['name']}"}

@@ -105,7 +105,7 @@ BAD = {
     "spot in local mode": (
         "local",
         {"spot": "true"},
-        "gemma-tpu:mode: 'local' runs no TPU; unset gemma-tpu:spot and gemma-tpu:reservation",
+        "gemma-tpu:mode: 'local' runs no TPU; unset gemma-tpu:capacity, gemma-tpu:spot and gemma-tpu:reservation",
     ),
     "bad reservation": (
         "v6e",

@@ -133,6 +133,7 @@ def test_scale_to_zero_or_the_walkthroughs_always_on_slice(stack, mode, scale_to
         assert "replicas" not in worker and (worker["minReplicas"], worker["maxReplicas"]) == (0, 1)
         assert training["slice"] == {
             "ray_cluster": "ray-torchtpu-cluster", "group": group, "hosts": hosts, "ready_timeout_s": 1800,
+            "capacity": "onDemand",
         }  # fmt: skip
     else:
         assert worker["replicas"] == 1 and "minReplicas" not in worker and "maxReplicas" not in worker

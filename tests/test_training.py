@@ -92,8 +92,9 @@ def gke_target(proxy) -> dict:
     }
 
 
-def slice_props(tpu: FakeSlice, ready_timeout_s: float = 60) -> dict:
-    return {"ray_cluster": tpu.ray_cluster, "group": tpu.group, "hosts": tpu.hosts, "ready_timeout_s": ready_timeout_s}
+def slice_props(tpu: FakeSlice, ready_timeout_s: float = 60, capacity: str = "onDemand") -> dict:
+    return {"ray_cluster": tpu.ray_cluster, "group": tpu.group, "hosts": tpu.hosts, "ready_timeout_s": ready_timeout_s,
+            "capacity": capacity}  # fmt: skip
 
 
 def standin(head, token="k8s-bearer", **faults) -> ServiceProxyStandin:
@@ -446,12 +447,13 @@ def test_the_log_follower_prints_each_line_once_from_bounded_tails():
 # ---- scale to zero around the jobs ---------------------------------------------------------------
 
 
-def scaled_run(head, tiny_assets, tmp_path, stack: str, tpu: FakeSlice, ready_timeout_s=60, timeout_s=600, **settings):
+def scaled_run(head, tiny_assets, tmp_path, stack: str, tpu: FakeSlice, ready_timeout_s=60, timeout_s=600,
+               capacity="onDemand", **settings):  # fmt: skip
     """The pipeline through the stand-in with a slice to scale; returns (error, log lines)."""
     props = local_props(head, tiny_assets, tmp_path, stack=stack, **settings)
     logged: list[str] = []
     with standin(head, fake_slice=tpu) as proxy:
-        props["target"], props["slice"] = gke_target(proxy), slice_props(tpu, ready_timeout_s)
+        props["target"], props["slice"] = gke_target(proxy), slice_props(tpu, ready_timeout_s, capacity)
         props["timeout_s"] = timeout_s
         try:
             ray_jobs.run_pipeline(props, log=logged.append, tokens=FixedToken("k8s-bearer"))
@@ -487,14 +489,14 @@ def test_bad_data_fails_on_the_head_before_the_slice_is_asked_for(ray_head, tiny
 
 def test_a_slice_that_never_comes_up_fails_with_the_reason_and_goes_back_to_zero(ray_head, tiny_assets, tmp_path):
     tpu = FakeSlice("ray-torchtpu-cluster", "tpu7x-16", hosts=2, never_ready=True)
-    err, logged = scaled_run(ray_head, tiny_assets, tmp_path, "snever", tpu, ready_timeout_s=1)
+    err, logged = scaled_run(ray_head, tiny_assets, tmp_path, "snever", tpu, ready_timeout_s=1, capacity="flexStart")
     assert isinstance(err, SliceNotReady)
     message = str(err)
     assert "was not ready within" in message and "scaled back to 0" in message
     assert "NotTriggerScaleUp: pod didn't trigger scale-up" in message and "GCE quota exceeded" in message
     assert "quota" in message and "stockout" in message and "reservation" in message
     assert tpu.patches == [1, 0]  # back to 0 exactly once
-    assert "TPU slice: 0/2 hosts ready (GKE is adding nodes)" in logged
+    assert "TPU slice: 0/2 hosts ready (waiting for flex-start capacity)" in logged  # a flex-start slice
     assert [s for i, s in jobs_on_head(ray_head, "snever-") if "-preflight-" not in i] == []  # nothing else submitted
 
 

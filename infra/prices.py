@@ -1,0 +1,124 @@
+"""What a slice costs: public prices per chip-hour, the estimate `pulumi preview` shows, the cost of a run.
+
+Prices are data, one row per (generation, capacity kind), each with where it was read and when.
+Where no public figure exists the row is absent, not guessed, and the estimate says so;
+`pricePerChipHour` (stack config) replaces the table with a user's own rate.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from infra.config import StackConfig
+from infra.models import known_model
+
+
+@dataclass(frozen=True)
+class Price:
+    usd_per_chip_hour: float
+    source: str
+    read: str  # when
+
+
+CATALOG = "Cloud Billing catalog captures (third party), us regions"
+PRICES: dict[tuple[str, str], Price] = {
+    ("v6e", "onDemand"): Price(2.70, f"{CATALOG}; SkyPilot's catalog: tpu-v6e-16 43.20/h", "2026-08"),
+    ("v6e", "flexStart"): Price(1.35, f"{CATALOG}: 'DWS Defined Duration V6e'", "2026-08"),
+    # Spot prices move: 1.40 in us-east5 that day, 0.65 to 1.89 across regions and captures.
+    ("v6e", "spot"): Price(1.40, f"{CATALOG}: us-east5", "2026-08-07"),
+    # tpu7x: the only SKU seen ("TPU7x running in Americas", 12.00/h) does not say per chip or per
+    # host, and no Spot or flex-start SKU was seen; a reservation bills at its own committed rate.
+}
+
+# The walkthrough's published throughput (epochs 2-3, E2B, 4 rows x 512 tokens a device, padding
+# counted), on its slices of 16 devices: ../shared/SPEC.md.
+WALKTHROUGH_TOKENS_PER_S = {"v6e": 20_300.0, "tpu7x": 31_000.0}
+WALKTHROUGH_DEVICES = 16
+E2B_COMPUTE = known_model("google/gemma-4-E2B-it")
+DOLLY_REAL_SHARE = 0.37  # of a padded 512-token row: dolly-15k with the Gemma tokenizer (README, make bench)
+# Minutes the slice exists besides training: nodes added and the image pulled, the model loaded and
+# compiled, then the autoscaler's wait before it removes idle nodes.
+OVERHEAD_MINUTES = (12.0, 35.0)
+WALKTHROUGH_EXTRA_MINUTES = (15.0, 30.0)  # an always-on slice: pool creation to the jobs, the jobs to destroy
+
+
+def price_of(cfg: StackConfig) -> Price | None:
+    if cfg.price_per_chip_hour is not None:
+        return Price(cfg.price_per_chip_hour, "pricePerChipHour (stack config)", "")
+    return PRICES.get((cfg.slice.generation.name, cfg.capacity))
+
+
+def training_records(split: str) -> int | None:
+    """Records a split names when its bounds are absolute (train[:1024], train[100:1124]); else unknown."""
+    m = re.fullmatch(r"[A-Za-z0-9_]+\[(\d*):(\d+)\]", split)
+    return int(m.group(2)) - int(m.group(1) or 0) if m else None
+
+
+def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
+    """(low, high) minutes of training, from the walkthrough's throughput scaled by devices and compute
+    per token; None when the record count or the model's size is unknown before the run."""
+    records, model = training_records(cfg.job.dataset_split), known_model(cfg.job.model)
+    base = WALKTHROUGH_TOKENS_PER_S.get(cfg.slice.generation.name)
+    if records is None or model is None or base is None:
+        return None
+    tokens_per_s = base * cfg.slice.devices / WALKTHROUGH_DEVICES * E2B_COMPUTE.active_params / model.active_params
+    if cfg.job.activation_checkpointing:
+        tokens_per_s /= 4 / 3  # every layer's forward runs twice
+    share = (DOLLY_REAL_SHARE, 1.0) if cfg.job.packing else (1.0, 1.0)  # rows per record: packed or padded
+    eval_share = 1 + (1 / 16) / 3 if cfg.job.eval_split != "none" else 1  # the held-out 1/16, forward only
+    minutes = [records * s * cfg.job.epochs * cfg.job.seq_len * eval_share / tokens_per_s / 60 for s in share]
+    return minutes[0], minutes[1]
+
+
+def cost_estimate(cfg: StackConfig) -> dict:
+    """The `costEstimate` output: the slice's price per hour and what the configured run should cost."""
+    price, chips = price_of(cfg), cfg.slice.chips
+    out = {"estimate": True, "slice": f"{cfg.slice.generation.name} {cfg.slice.topology}", "capacity": cfg.capacity,
+           "chips": chips}  # fmt: skip
+    if price is None:
+        return out | {"usd_per_hour": None, "note": f"no public price for {cfg.slice.generation.name} "
+                      f"{cfg.capacity}: set pricePerChipHour to yours"}  # fmt: skip
+    out |= {"usd_per_chip_hour": price.usd_per_chip_hour, "price_source": price.source, "price_read": price.read,
+            "usd_per_hour": round(chips * price.usd_per_chip_hour, 2)}  # fmt: skip
+    minutes = training_minutes(cfg)
+    if minutes is None:
+        return out | {"run": "unknown before the run: the record count (a split with absolute bounds, such as "
+                      "train[:1024]) or the model's size (a Gemma 4 of infra/models.py) is not known at preview"}  # fmt: skip
+    hours = [(minutes[i] + OVERHEAD_MINUTES[i]) / 60 for i in (0, 1)]
+    walkthrough = [h + WALKTHROUGH_EXTRA_MINUTES[i] / 60 for i, h in enumerate(hours)]
+
+    def usd(h: list[float]) -> list[float]:
+        return [round(x * chips * price.usd_per_chip_hour, 2) for x in h]
+
+    return out | {
+        "training_minutes": [round(m, 1) for m in minutes],
+        "slice_hours": [round(h, 2) for h in hours],
+        "usd": usd(hours),
+        "walkthrough_usd": usd(walkthrough),
+        "assumptions": (
+            f"the walkthrough's {WALKTHROUGH_TOKENS_PER_S[cfg.slice.generation.name]:,.0f} padded tokens/s on 16 "
+            "devices for E2B, scaled by devices and by compute per token; packed rows 37% (Dolly) to 100% full; "
+            f"{OVERHEAD_MINUTES[0]:.0f}-{OVERHEAD_MINUTES[1]:.0f} minutes for nodes, image, load, compile and "
+            f"scale-down; the walkthrough's always-on slice {WALKTHROUGH_EXTRA_MINUTES[0]:.0f}-"
+            f"{WALKTHROUGH_EXTRA_MINUTES[1]:.0f} minutes more"
+        ),
+    }
+
+
+def run_cost(slice_host_hours: float, run_hours: float, cfg: StackConfig) -> dict:
+    """The `cost` output: what the run's slice cost (host-hours from the scale-up request to the scale-down),
+    beside the walkthrough's always-on slice for at least the same wall time."""
+    price = None if cfg.local else price_of(cfg)
+    chips_per_host = cfg.slice.generation.chips_per_host
+    chip_hours = slice_host_hours * chips_per_host
+    always_on = run_hours * cfg.slice.chips
+    out = {"slice_host_hours": slice_host_hours, "chip_hours": round(chip_hours, 4),
+           "walkthrough_chip_hours_at_least": round(always_on, 4)}  # fmt: skip
+    if price is None:
+        return out | {"usd": None, "note": "no TPU slice" if cfg.local else "no public price: set pricePerChipHour"}
+    return out | {
+        "usd_per_chip_hour": price.usd_per_chip_hour,
+        "usd": round(chip_hours * price.usd_per_chip_hour, 2),
+        "walkthrough_usd_at_least": round(always_on * price.usd_per_chip_hour, 2),
+    }
