@@ -9,6 +9,7 @@ prints the outputs the stack exports, and stops the head it started.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -18,6 +19,7 @@ import yaml
 
 from infra import PROJECT, config
 from infra.local_ray import LocalRayHead
+from infra.prices import cost_estimate, estimate_line
 from infra.training import _TrainingJobsProvider, local_target, training_props
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,6 +38,12 @@ def run_jobs(cfg: config.StackConfig, dashboard_url: str) -> dict:
     return _TrainingJobsProvider().create(props).outs
 
 
+def local_cost_line(cfg: config.StackConfig) -> str:
+    """costEstimate for this stack's settings on the slice the cloud stacks would give them."""
+    on_slice = estimate_line(cost_estimate(dataclasses.replace(cfg, mode="standard")))
+    return f"no TPU slice here; on {on_slice.removeprefix('cost estimate: ')}"
+
+
 def print_outputs(outputs: dict) -> None:
     collectives = outputs["collectives"]
     print("\nOutputs (as `pulumi stack output` shows them for the cloud stacks):")
@@ -46,7 +54,8 @@ def print_outputs(outputs: dict) -> None:
     print(f"  collectives: ok={collectives['ok']} world_size={collectives['world_size']} "
           f"max_abs_diff={collectives['max_abs_diff']:.2e}")  # fmt: skip
     print(f"  jobIds:      {json.dumps(outputs['job_ids'])}")
-    print(f"  sliceHours:  {outputs['slice_hours']}  (no TPU slice here)")
+    print(f"  sliceHours:  {outputs['slice_hours']}  (no TPU slice here; `pulumi preview -s v6e` prints the slice's "
+          "costEstimate)")  # fmt: skip
 
 
 def epoch_losses(epoch: dict) -> str:
@@ -57,6 +66,7 @@ def epoch_losses(epoch: dict) -> str:
 def main() -> None:
     started = time.monotonic()
     cfg = local_config()
+    print(local_cost_line(cfg), flush=True)
     sys.path.insert(0, str(ROOT / "jobs"))
     from tiny_assets import make_all
 

@@ -30,16 +30,16 @@ MODELS: dict[str, ModelShape] = {
     for m in (
         ModelShape("E2B", params=4628569344, per_layer_table=2348810240, embedding=402653184, largest_layer=70000640,
                    lora_in_out=1509888, layers=35, hidden=1536, mlp_width=9654, query_width=2457, kv_width=131,
-                   heads=8, vocab=262144, active_params=2279759104),
+                   heads=8, vocab=262144, sliding_window=512, active_params=2279759104),
         ModelShape("E4B", params=7463013376, per_layer_table=2818572288, embedding=671088640, largest_layer=106182144,
                    lora_in_out=2180096, layers=42, hidden=2560, mlp_width=10240, query_width=2389, kv_width=341,
-                   heads=8, vocab=262144, active_params=4644441088),
+                   heads=8, vocab=262144, sliding_window=512, active_params=4644441088),
         ModelShape("26B-A4B", params=25233141760, per_layer_table=0, embedding=738197504, largest_layer=828513408,
                    lora_in_out=1161600, layers=30, hidden=2816, mlp_width=7744, query_width=4778, kv_width=1877,
-                   heads=16, vocab=262144, active_params=3822530560, experts=128),
+                   heads=16, vocab=262144, sliding_window=1024, active_params=3822530560, experts=128),
         ModelShape("31B", params=30697345280, per_layer_table=0, embedding=1409286144, largest_layer=534009856,
                    lora_in_out=7651840, layers=60, hidden=5376, mlp_width=21504, query_width=9557, kv_width=3754,
-                   heads=32, vocab=262144, active_params=30697345280),
+                   heads=32, vocab=262144, sliding_window=1024, active_params=30697345280),
     )
 }  # fmt: skip
 

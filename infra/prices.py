@@ -65,14 +65,29 @@ def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
     tokens_per_s = base * cfg.slice.devices / WALKTHROUGH_DEVICES * E2B_COMPUTE.active_params / model.active_params
     if cfg.job.activation_checkpointing:
         tokens_per_s /= 4 / 3  # every layer's forward runs twice
+    if cfg.job.lora:
+        tokens_per_s *= 6 / 4  # frozen weights take no weight gradient: 4 FLOPs a parameter, not 6
     share = (DOLLY_REAL_SHARE, 1.0) if cfg.job.packing else (1.0, 1.0)  # rows per record: packed or padded
     eval_share = 1 + (1 / 16) / 3 if cfg.job.eval_split != "none" else 1  # the held-out 1/16, forward only
     minutes = [records * s * cfg.job.epochs * cfg.job.seq_len * eval_share / tokens_per_s / 60 for s in share]
     return minutes[0], minutes[1]
 
 
+def unknown_run(cfg: StackConfig) -> str:
+    """Why the run's length is not known at preview."""
+    unknown = []
+    if training_records(cfg.job.dataset_split) is None:
+        unknown.append(f"the record count of datasetSplit {cfg.job.dataset_split!r} (absolute bounds, such as "
+                       "train[:1024], give it)")  # fmt: skip
+    if known_model(cfg.job.model) is None:
+        unknown.append(f"the size of model {cfg.job.model!r} (not a Gemma 4 of infra/models.py)")
+    return "unknown before the run: " + " and ".join(unknown)
+
+
 def cost_estimate(cfg: StackConfig) -> dict:
     """The `costEstimate` output: the slice's price per hour and what the configured run should cost."""
+    if cfg.local:
+        return {"estimate": True, "usd_per_hour": None, "note": "mode local runs no TPU slice"}
     price, chips = price_of(cfg), cfg.slice.chips
     out = {"estimate": True, "slice": f"{cfg.slice.generation.name} {cfg.slice.topology}", "capacity": cfg.capacity,
            "chips": chips}  # fmt: skip
@@ -83,14 +98,18 @@ def cost_estimate(cfg: StackConfig) -> dict:
             "usd_per_hour": round(chips * price.usd_per_chip_hour, 2)}  # fmt: skip
     minutes = training_minutes(cfg)
     if minutes is None:
-        return out | {"run": "unknown before the run: the record count (a split with absolute bounds, such as "
-                      "train[:1024]) or the model's size (a Gemma 4 of infra/models.py) is not known at preview"}  # fmt: skip
+        return out | {"run": unknown_run(cfg)}
     hours = [(minutes[i] + OVERHEAD_MINUTES[i]) / 60 for i in (0, 1)]
     walkthrough = [h + WALKTHROUGH_EXTRA_MINUTES[i] / 60 for i, h in enumerate(hours)]
 
     def usd(h: list[float]) -> list[float]:
         return [round(x * chips * price.usd_per_chip_hour, 2) for x in h]
 
+    if not cfg.scale_to_zero:  # the walkthrough's layout: the slice is there from pool creation to destroy
+        hours = walkthrough
+        out["note"] = (
+            "scaleToZero: false keeps the slice from pool creation until destroy: usd assumes a destroy right after the run"
+        )
     return out | {
         "training_minutes": [round(m, 1) for m in minutes],
         "slice_hours": [round(h, 2) for h in hours],
@@ -106,15 +125,30 @@ def cost_estimate(cfg: StackConfig) -> dict:
     }
 
 
+def estimate_line(estimate: dict) -> str:
+    """One line of a `costEstimate` output, for logs."""
+    if estimate.get("usd_per_hour") is None:
+        return f"cost estimate: {estimate['note']}"
+    line = (f"cost estimate: {estimate['slice']} {estimate['capacity']}, ${estimate['usd_per_hour']:,.2f}/h "
+            f"(${estimate['usd_per_chip_hour']:.2f} per chip-hour, read {estimate['price_read'] or 'from pricePerChipHour'})")  # fmt: skip
+    if "usd" not in estimate:
+        return f"{line}; {estimate['run']}"
+    (low, high), (w_low, w_high) = estimate["usd"], estimate["walkthrough_usd"]
+    return (
+        f"{line}; the run: ${low:,.2f}-${high:,.2f} (the walkthrough's always-on slice: ${w_low:,.2f}-${w_high:,.2f})"
+    )
+
+
 def run_cost(slice_host_hours: float, run_hours: float, cfg: StackConfig) -> dict:
     """The `cost` output: what the run's slice cost (host-hours from the scale-up request to the scale-down),
     beside the walkthrough's always-on slice for at least the same wall time."""
     price = None if cfg.local else price_of(cfg)
-    chips_per_host = cfg.slice.generation.chips_per_host
-    chip_hours = slice_host_hours * chips_per_host
     always_on = run_hours * cfg.slice.chips
+    chip_hours = slice_host_hours * cfg.slice.generation.chips_per_host if cfg.scale_to_zero else always_on
     out = {"slice_host_hours": slice_host_hours, "chip_hours": round(chip_hours, 4),
            "walkthrough_chip_hours_at_least": round(always_on, 4)}  # fmt: skip
+    if not cfg.local and not cfg.scale_to_zero:
+        out["note"] = "scaleToZero: false: the run's wall time only; the slice bills from pool creation until destroy"
     if price is None:
         return out | {"usd": None, "note": "no TPU slice" if cfg.local else "no public price: set pricePerChipHour"}
     return out | {

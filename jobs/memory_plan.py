@@ -48,6 +48,7 @@ class ModelShape:
     kv_width: int  # key/value heads x head_dim (mean over layers; 0 where layers share them)
     heads: int
     vocab: int
+    sliding_window: int  # tokens a sliding-window layer attends to (every few layers attend to all)
     active_params: int  # the weights a token passes through: all but the per-layer table, and of a mixture
     # of experts only its top-k experts' share
     experts: int = 0  # a mixture of experts: the experts per layer (0: dense)
@@ -201,6 +202,7 @@ def shape_of(model, name: str = "") -> ModelShape:
         kv_width=sum(width(layer, "k_proj") for layer in layers) // len(layers),
         heads=text.num_attention_heads,
         vocab=text.vocab_size,
+        sliding_window=text.sliding_window,
         active_params=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         - (table.weight.numel() if table is not None else 0)
         - round(experts * (1 - top_k)),

@@ -126,7 +126,7 @@ def test_the_cost_estimate_is_a_preview_output_with_the_slices_price(stack, over
 def test_the_estimate_by_hand_for_the_default_v6e_run():
     """1024 Dolly records x 3 epochs, packed 37% to 100% full, at 20,300 tokens/s, plus 12-35 minutes."""
     from infra.config import parse
-    from infra.prices import training_minutes
+    from infra.prices import cost_estimate, estimate_line, training_minutes
 
     cfg = parse({}, stack="v6e", project="p", region=None, zone="us-east5-b", has_token=True)
     low, high = training_minutes(cfg)
@@ -135,10 +135,29 @@ def test_the_estimate_by_hand_for_the_default_v6e_run():
     walkthrough = parse({"recipe": "walkthrough"}, stack="v6e", project="p", region=None, zone="us-east5-b",
                         has_token=True)  # fmt: skip
     padded = training_minutes(walkthrough)
-    assert padded[0] == padded[1] == pytest.approx(1024 * 3 * 512 / 20_300 / 60)  # ~3.9 min: its 26 s epochs x3... x3
+    assert padded[0] == padded[1] == pytest.approx(1024 * 3 * 512 / 20_300 / 60)  # 1.3 min
+    big = {"model": "google/gemma-4-31B-it", "activationCheckpointing": "true"}
+    full, lora = (training_minutes(parse(big | extra, stack="v6e", project="p", region=None, zone="us-east5-b",
+                                         has_token=True)) for extra in ({}, {"lora": "true"}))  # fmt: skip
+    assert full[1] == pytest.approx(1024 * per_record * (30697345280 / 2279759104) * 4 / 3)
+    assert lora[1] == pytest.approx(full[1] * 4 / 6)
     unknown = parse({"datasetSplit": "train[:90%]", "evalSplit": "train[90%:]"}, stack="v6e", project="p",
                     region=None, zone="us-east5-b", has_token=True)  # fmt: skip
     assert training_minutes(unknown) is None
+    assert cost_estimate(unknown)["run"] == ("unknown before the run: the record count of datasetSplit 'train[:90%]' "
+                                             "(absolute bounds, such as train[:1024], give it)")  # fmt: skip
+    line = estimate_line(cost_estimate(cfg))
+    assert line.startswith("cost estimate: v6e 4x4 onDemand, $43.20/h ($2.70 per chip-hour, read 2026-08); the run: $")
+    assert "(the walkthrough's always-on slice: $" in line
+
+
+def test_make_local_prints_the_estimate_of_its_settings_on_a_slice():
+    from infra.local_run import local_config, local_cost_line
+
+    line = local_cost_line(local_config(pricePerChipHour="2"))
+    assert line.startswith("no TPU slice here; on v6e 4x4 onDemand, $32.00/h ($2.00 per chip-hour, read from ")
+    assert line.endswith("unknown before the run: the size of model "
+                         f"'{local_config().job.model}' (not a Gemma 4 of infra/models.py)")  # fmt: skip
 
 
 def test_the_cost_of_a_run_from_its_slice_hours():
@@ -149,6 +168,12 @@ def test_the_cost_of_a_run_from_its_slice_hours():
     flex = run_program("v6e", stack_config("v6e", capacity="flexStart")).outputs["cost"]
     assert flex["usd"] == pytest.approx(0.1 * 4 * 1.35)
     assert run_program("tpu7x", stack_config("tpu7x")).outputs["cost"]["usd"] is None
+    always_on = run_program("v6e", stack_config("v6e", scaleToZero="false")).outputs
+    assert always_on["cost"]["usd"] == pytest.approx(0.5 * 16 * 2.70) and "pool creation" in always_on["cost"]["note"]
+    assert always_on["costEstimate"]["usd"] == always_on["costEstimate"]["walkthrough_usd"]
+    local = run_program("local", stack_config("local")).outputs
+    assert local["cost"]["usd"] is None and local["costEstimate"]["usd_per_hour"] is None
+    assert local["cost"]["note"] == local["costEstimate"]["note"].replace("mode local runs ", "") == "no TPU slice"
     training = run_program("v6e", stack_config("v6e")).one("pulumi-python:dynamic:Resource", "training").inputs
     assert training["price"] == {"usd_per_chip_hour": 2.70, "chips_per_host": 4, "chips": 16}
 
