@@ -53,12 +53,13 @@ def pins(path: Path) -> dict[str, str]:
 
 
 def test_gs_checkpoints_go_through_the_gcsfs_the_image_installs():
-    """DCP writes gs:// through fsspec, which needs gcsfs; the image pins what the tests run with."""
+    """DCP writes gs:// through fsspec, which needs gcsfs; the image pins what the tests run with (peft for
+    LoRA and tensorboard for the event files too)."""
     import fsspec
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     image, local = pins(ROOT / "image" / "requirements.txt"), pins(ROOT / "requirements.txt")
-    assert "gcsfs" in image
+    assert {"gcsfs", "peft", "tensorboard"} <= set(image)
     assert image == {name: local.get(name) for name in image}
     assert fsspec.get_filesystem_class("gs").__module__.startswith("gcsfs")
     assert FsspecWriter.validate_checkpoint_id("gs://bucket/ray_train_torchtpu/run/checkpoint_epoch_0001")
