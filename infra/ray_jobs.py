@@ -274,9 +274,10 @@ def run_pipeline(
 
     With a scaler, the fine-tune's data check runs first on the head (`--preflight`: every record
     read and rendered, no TPU), so a bad file costs no slice-hours; then the slice comes up before
-    the first job that needs it and goes back to 0 once the jobs have ended, succeeded or not. Interrupted (Ctrl-C, SIGTERM) while waiting, it
-    says which job keeps running and re-raises: nothing is stopped or scaled down, and the next
-    `pulumi up` attaches to that job.
+    the first job that needs it and goes back to 0 once the jobs have ended, succeeded or not, and
+    the run's cost is printed. Interrupted (Ctrl-C, SIGTERM) while waiting, it says which job keeps
+    running and re-raises: nothing is stopped or scaled down, and the next `pulumi up` attaches to
+    that job.
     """
     policy = policy or retry_policy(props)
     tokens = tokens or (GoogleTokens() if props["target"]["kind"] == "gke" else None)
@@ -295,9 +296,9 @@ def run_pipeline(
         leave_up = isinstance(sys.exc_info()[1], KeyboardInterrupt | Unreachable)
         if scaler and scaler.up_since is not None and not leave_up:
             slice_hours = scale_down(scaler, log)
-    run_hours = (time.monotonic() - started) / 3600
-    if props.get("price"):
-        log(cost_line(props["price"], slice_hours, run_hours))
+        run_hours = (time.monotonic() - started) / 3600
+        if props.get("price") and not leave_up:  # a failed run's slice-hours cost money too
+            log(cost_line(props["price"], slice_hours, run_hours))
     finetune = results["finetune"]
     return {
         "checkpoint": finetune["checkpoint"],

@@ -116,7 +116,9 @@ def resumed(ray_head, tiny_assets, dolly288, tmp_path_factory) -> dict:
     second = submit("resumed")
     resumed_line = f"after epoch {stopped_after} (attempt 2)"
     wait_for(lambda: resumed_line in client.get_job_logs(second), second, time.monotonic() + 120)
-    job = client.get_job_info(second).job_id  # other tests' jobs may share the head
+    # Other tests' jobs may share the head. The driver's Ray job id can lag its logs on a busy head.
+    wait_for(lambda: client.get_job_info(second).job_id, second, time.monotonic() + 60)
+    job = client.get_job_info(second).job_id
     workers = list_actors(
         address=ray_head.dashboard_url,
         filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE"), ("job_id", "=", job)],

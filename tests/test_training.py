@@ -252,8 +252,11 @@ def test_an_interrupt_leaves_job_and_slice_up_and_the_next_up_attaches(ray_head,
     with standin(ray_head, fake_slice=tpu) as proxy:
         props["target"], props["slice"] = gke_target(proxy), slice_props(tpu)
         (tmp_path / "props.json").write_text(json.dumps(props))
-        runner = (  # the provider as Pulumi's host runs it, with the stand-in's token for Google's
-            "import json, sys; import infra.ray_jobs as rj; from infra.resilience import FixedToken; "
+        # The provider as Pulumi's host runs it, with the stand-in's token for Google's. Ctrl-C's
+        # handler is set again: a test run started in the background (`make test &`) inherits SIGINT ignored.
+        runner = (
+            "import json, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "import infra.ray_jobs as rj; from infra.resilience import FixedToken; "
             "rj.GoogleTokens = lambda: FixedToken('k8s-bearer'); "
             "from infra.training import _TrainingJobsProvider as P; P().create(json.load(sys.stdin))"
         )
@@ -448,13 +451,13 @@ def test_the_log_follower_prints_each_line_once_from_bounded_tails():
 
 
 def scaled_run(head, tiny_assets, tmp_path, stack: str, tpu: FakeSlice, ready_timeout_s=60, timeout_s=600,
-               capacity="onDemand", **settings):  # fmt: skip
+               capacity="onDemand", price=None, **settings):  # fmt: skip
     """The pipeline through the stand-in with a slice to scale; returns (error, log lines)."""
     props = local_props(head, tiny_assets, tmp_path, stack=stack, **settings)
     logged: list[str] = []
     with standin(head, fake_slice=tpu) as proxy:
         props["target"], props["slice"] = gke_target(proxy), slice_props(tpu, ready_timeout_s, capacity)
-        props["timeout_s"] = timeout_s
+        props["timeout_s"], props["price"] = timeout_s, price
         try:
             ray_jobs.run_pipeline(props, log=logged.append, tokens=FixedToken("k8s-bearer"))
         except Exception as err:  # noqa: BLE001
@@ -489,7 +492,9 @@ def test_bad_data_fails_on_the_head_before_the_slice_is_asked_for(ray_head, tiny
 
 def test_a_slice_that_never_comes_up_fails_with_the_reason_and_goes_back_to_zero(ray_head, tiny_assets, tmp_path):
     tpu = FakeSlice("ray-torchtpu-cluster", "tpu7x-16", hosts=2, never_ready=True)
-    err, logged = scaled_run(ray_head, tiny_assets, tmp_path, "snever", tpu, ready_timeout_s=1, capacity="flexStart")
+    price = {"usd_per_chip_hour": 1.35, "chips_per_host": 4, "chips": 8}
+    err, logged = scaled_run(ray_head, tiny_assets, tmp_path, "snever", tpu, ready_timeout_s=1, capacity="flexStart",
+                             price=price)  # fmt: skip
     assert isinstance(err, SliceNotReady)
     message = str(err)
     assert "was not ready within" in message and "scaled back to 0" in message
@@ -497,6 +502,7 @@ def test_a_slice_that_never_comes_up_fails_with_the_reason_and_goes_back_to_zero
     assert "quota" in message and "stockout" in message and "reservation" in message
     assert tpu.patches == [1, 0]  # back to 0 exactly once
     assert "TPU slice: 0/2 hosts ready (waiting for flex-start capacity)" in logged  # a flex-start slice
+    assert [line for line in logged if line.startswith("cost: $")]  # what the failed wait cost, printed anyway
     assert [s for i, s in jobs_on_head(ray_head, "snever-") if "-preflight-" not in i] == []  # nothing else submitted
 
 
