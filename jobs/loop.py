@@ -196,8 +196,11 @@ class Progress:
 
     def close(self) -> None:
         if self.writer is not None:
+            import shutil
+
             self.writer.close()
             publish(self.writer)
+            shutil.rmtree(self.writer.log_dir, ignore_errors=True)  # the local copy; storage has the files
 
 
 def publish(writer) -> None:

@@ -155,8 +155,8 @@ def load_split(ref: str, name: str, config: str | None = None) -> Source:
     if name != "train":
         raise JobInputError(f"--dataset {ref!r} is files: their one split is `train` (got {name!r})")
     files = data_files(ref)
-    into = tempfile.mkdtemp(prefix="dataset-")
-    parts = [load_file(f, into) for f in files]
+    with tempfile.TemporaryDirectory(prefix="dataset-") as into:  # gs:// copies; datasets reads them into its cache
+        parts = [load_file(f, into) for f in files]
     try:
         data = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
     except ValueError as err:

@@ -1,5 +1,7 @@
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -18,7 +20,9 @@ from tests.gcp_standins import MetadataStandin, isolate_google_clients  # noqa: 
 # Before any test (or google-auth, which reads the metadata host at import) runs: Google's
 # endpoints are stand-ins on 127.0.0.1, and storage is a closed port until a test starts the emulator.
 METADATA = MetadataStandin().start()
-isolate_google_clients(METADATA.host, "http://127.0.0.1:9", Path(tempfile.mkdtemp(prefix="gcloud-config-")))
+GCLOUD_CONFIG = Path(tempfile.mkdtemp(prefix="gcloud-config-"))
+atexit.register(shutil.rmtree, GCLOUD_CONFIG, True)
+isolate_google_clients(METADATA.host, "http://127.0.0.1:9", GCLOUD_CONFIG)
 
 
 def pytest_collection_modifyitems(items):
@@ -48,7 +52,7 @@ def pytest_configure(config):
 
     from infra.local_ray import LocalRayHead
 
-    shared = Path(tempfile.mkdtemp(prefix="gemma-tpu-tests-"))
+    config.shared_dir = shared = Path(tempfile.mkdtemp(prefix="gemma-tpu-tests-"))
     config.shared_head = LocalRayHead(num_cpus=HEAD_CPUS, log_dir=shared).start()
     head = config.shared_head
     os.environ[SHARED] = json.dumps(
@@ -59,6 +63,7 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if getattr(config, "shared_head", None) is not None:
         config.shared_head.stop()
+        shutil.rmtree(config.shared_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -139,9 +139,13 @@ def storage():
     emulator.stop()
 
 
-def test_a_gs_dataset_is_read_end_to_end_with_the_pods_credentials(storage, metadata_server, tiny_assets, tmp_path):
+def test_a_gs_dataset_is_read_end_to_end_with_the_pods_credentials(
+    storage, metadata_server, tiny_assets, tmp_path, monkeypatch
+):
     """gs:// files and a glob, through gcsfs with the metadata server's token; the run's report goes to
-    gs:// too (pyarrow). Only 127.0.0.1 is ever reached."""
+    gs:// too (pyarrow). Only 127.0.0.1 is ever reached, and the local copies are gone afterwards."""
+    import tempfile
+
     import fsspec
     import ray_train_llm_finetune as ft
 
@@ -153,7 +157,9 @@ def test_a_gs_dataset_is_read_end_to_end_with_the_pods_credentials(storage, meta
     argv = ["--backend", "cpu", "--num-workers", "1", "--model", tiny_assets["model"], "--dataset",
             "gs://demo-data/chat/*.jsonl", "--split", "train[:20]", "--storage-path", "gs://demo-data/runs",
             "--run-name", "gs-run", "--preflight", "--batch-size", "1"]  # fmt: skip
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert ft.main(argv) == 0
+    assert not list(tmp_path.glob("dataset-*"))
     report = json.loads(gs.cat("gs://demo-data/runs/gs-run/data_report.json"))
     assert (report["train"]["records_used"], report["eval"]["records_used"], report["train"]["format"]) == (
         20, 2, "messages",

@@ -132,3 +132,22 @@ def test_bad_recipe_flags_fail_before_any_worker(case, tiny_assets, tmp_path, ca
     assert ft.main(base + argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_progress_puts_tensorboard_in_the_run_storage_and_keeps_no_local_copy(gloo_rank, tmp_path):
+    import pyarrow.fs
+    from loop import Progress
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(tmp_path / "local"))
+    writer.target = (pyarrow.fs.LocalFileSystem(), str(tmp_path / "run" / "tensorboard"))
+    progress = Progress(every=2, total_steps=3, rank=0, writer=writer)
+    for step in range(3):
+        progress.step(step, {"loss_sum": 6.0 * (step + 1), "predicted": 3.0, "real": 4.0, "lr": 0.1, "grad_norm": 1})
+    progress.epoch({"loss": 4.0, "eval_loss": 5.0})
+    progress.close()
+    scalars = EventAccumulator(str(tmp_path / "run" / "tensorboard")).Reload()
+    assert [(e.step, e.value) for e in scalars.Scalars("train/loss")] == [(2, 3.0), (3, 6.0)]  # (6 + 12) / (3 + 3)
+    assert [e.value for e in scalars.Scalars("epoch/eval_loss")] == [5.0]
+    assert not (tmp_path / "local").exists()
