@@ -346,13 +346,19 @@ def tensorboard(ctx, rank: int):
     """Rank 0's TensorBoard writer, into a local directory that Progress copies to <run>/tensorboard."""
     if rank != 0:
         return None
+    import hashlib
+    import shutil
     import tempfile
 
     from torch.utils.tensorboard import SummaryWriter
 
     storage = ctx.get_storage()
-    writer = SummaryWriter(log_dir=tempfile.mkdtemp(prefix="tensorboard-"))
-    writer.target = (storage.storage_filesystem, f"{storage.experiment_fs_path}/{TENSORBOARD_DIR}")
+    target = f"{storage.experiment_fs_path}/{TENSORBOARD_DIR}"
+    # One local directory per run: a restart after a lost worker clears the one its killed attempt left.
+    local = Path(tempfile.gettempdir()) / f"tensorboard-{hashlib.sha256(target.encode()).hexdigest()[:16]}"
+    shutil.rmtree(local, ignore_errors=True)
+    writer = SummaryWriter(log_dir=str(local))
+    writer.target = (storage.storage_filesystem, target)
     return writer
 
 
