@@ -12,7 +12,7 @@ import math
 import re
 import urllib.parse
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import cache
 from pathlib import Path
 
@@ -20,7 +20,8 @@ import yaml
 
 from infra import PROJECT, PULUMI_YAML
 from infra.tpu import GENERATIONS, TpuSlice, is_topology
-from jobs.recipe import RECIPES, SCHEDULES, with_recipe
+from jobs.data_formats import COLUMNS, LOCAL_DATA, OVERLONG
+from jobs.recipe import RECIPES, SCHEDULES, Recipe, with_recipe
 
 ROOT = PULUMI_YAML.parent
 MODES = ("standard", "autopilot", "local")
@@ -49,8 +50,8 @@ _SPLIT = re.compile(rf"^{_SPLIT_PART}(\+{_SPLIT_PART})*$")
 # A slice of absolute record numbers (no %, no negatives): what can be checked for overlap at preview.
 _ABSOLUTE_PART = re.compile(r"^([A-Za-z0-9_]+)(?:\[(\d*):(\d*)\])?$")
 # --columns: NEW=OLD pairs onto the record formats' column names
-_COLUMNS = re.compile(r"^(messages|prompt|completion|instruction|context|response)=[^\s,=]+"
-                      r"(,(messages|prompt|completion|instruction|context|response)=[^\s,=]+)*$")  # fmt: skip
+_COLUMN_PAIR = rf"({'|'.join(COLUMNS)})=[^\s,=]+"
+_COLUMNS = re.compile(rf"^{_COLUMN_PAIR}(,{_COLUMN_PAIR})*$")
 
 # Upper bounds, each with why: values past them cannot be what a user meant.
 JOB_LIMITS = {
@@ -98,16 +99,7 @@ class JobSettings:
     dataset_config: str
     dataset_columns: str
     overlong: str
-    # the recipe's keys (jobs/recipe.py): the stack's value, else the recipe's
-    packing: bool
-    sharded_checkpoints: bool
-    chat_template: bool
-    prompt_loss: bool
-    lr_schedule: str
-    warmup_ratio: float
-    max_grad_norm: float
-    eval_split: str
-    loss_chunk: int
+    recipe_settings: Recipe  # each recipe key (jobs/recipe.py): the stack's value, else the named recipe's
     # local mode only
     collectives_workers: int
     finetune_workers: int
@@ -463,7 +455,7 @@ def _job(r: _Reader, local: bool) -> JobSettings:
         collectives_workers=r.positive("collectivesWorkers"),
         finetune_workers=r.positive("finetuneWorkers"),
         local_storage_path=str(ROOT / r.value("localStoragePath")),
-        **_recipe_keys(r, recipe, split),
+        recipe_settings=_recipe_keys(r, recipe, split),
     )
     if local:
         # The local stack names files of this checkout; the jobs run elsewhere, so make them absolute.
@@ -472,10 +464,6 @@ def _job(r: _Reader, local: bool) -> JobSettings:
         if not is_http_url(address):
             r.problem(f"{key('rayAddress')}: {address!r} must be a Ray dashboard URL such as http://127.0.0.1:8265")
     return job
-
-
-DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
-OVERLONG = ("truncate", "drop")
 
 
 def _dataset_file(r: _Reader) -> str:
@@ -490,8 +478,8 @@ def _dataset_file(r: _Reader) -> str:
         )
     path = Path(text).expanduser()
     path = path if path.is_absolute() else ROOT / path
-    if path.suffix not in DATA_SUFFIXES:
-        r.problem(f"{key('datasetFile')}: {text!r} must be a {', '.join(DATA_SUFFIXES)} file")
+    if path.suffix not in LOCAL_DATA:
+        r.problem(f"{key('datasetFile')}: {text!r} must be a {', '.join(LOCAL_DATA)} file")
     elif not path.is_file() or path.stat().st_size == 0:
         r.problem(f"{key('datasetFile')}: {text!r} is not a file with records (looked at {path})")
     return str(path)
@@ -538,28 +526,20 @@ def _recipe(r: _Reader) -> str:
     return recipe
 
 
-# The recipe keys: config key -> (field, how to read it). Unset, a key takes the recipe's value.
-_RECIPE_KEYS = {
-    "packing": ("packing", "boolean"),
-    "shardedCheckpoints": ("sharded_checkpoints", "boolean"),
-    "chatTemplate": ("chat_template", "boolean"),
-    "promptLoss": ("prompt_loss", "boolean"),
-    "lrSchedule": ("lr_schedule", "text"),
-    "warmupRatio": ("warmup_ratio", "number"),
-    "maxGradNorm": ("max_grad_norm", "number"),
-    "evalSplit": ("eval_split", "text"),
-    "lossChunk": ("loss_chunk", "count"),
-}
+def config_key(field_name: str) -> str:
+    """The stack config key of a recipe field: warmup_ratio -> warmupRatio."""
+    first, *rest = field_name.split("_")
+    return first + "".join(word.capitalize() for word in rest)
 
 
-def _recipe_keys(r: _Reader, recipe: str, split: str) -> dict:
+def _recipe_keys(r: _Reader, recipe: str, split: str) -> Recipe:
+    """Each recipe key as the stack sets it (read by its type in jobs/recipe.py), else the recipe's."""
+    readers = {"bool": r.boolean, "str": r.value, "float": lambda n: r.typed(n, float),
+               "int": lambda n: r.positive(n, minimum=0)}  # fmt: skip
     given = {}
-    for name, (field, kind) in _RECIPE_KEYS.items():
-        if r.raw.get(name) is None:
-            continue
-        read = {"boolean": r.boolean, "text": r.value, "number": lambda n: r.typed(n, float),
-                "count": lambda n: r.positive(n, minimum=0)}[kind]  # fmt: skip
-        given[field] = read(name)
+    for f in fields(Recipe):
+        if r.raw.get(config_key(f.name)) is not None:
+            given[f.name] = readers[getattr(f.type, "__name__", f.type)](config_key(f.name))
     values = with_recipe(given, recipe)
     if values["lr_schedule"] not in SCHEDULES:
         r.problem(f"{key('lrSchedule')}: {values['lr_schedule']!r} is not a schedule; allowed: {', '.join(SCHEDULES)}")
@@ -570,7 +550,7 @@ def _recipe_keys(r: _Reader, recipe: str, split: str) -> dict:
     if values["max_grad_norm"] is not None and not values["max_grad_norm"] >= 0:
         r.problem(f"{key('maxGradNorm')}: {values['max_grad_norm']} must be 0 (no clipping) or more")
     _eval_split(r, values["eval_split"], split)
-    return {field: values[field] for field, _ in _RECIPE_KEYS.values()}
+    return Recipe(**values)
 
 
 def _eval_split(r: _Reader, eval_split: str, split: str) -> None:

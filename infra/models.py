@@ -58,7 +58,7 @@ def recipe_of(job, tpu_slice) -> Recipe:
     return Recipe(
         devices=tpu_slice.devices, batch=job.batch_size, seq_len=job.seq_len, dtype_bytes=2,
         activation_checkpointing=job.activation_checkpointing, lora=job.lora, lora_rank=job.lora_rank,
-        loss_chunk=job.loss_chunk,
+        loss_chunk=job.recipe_settings.loss_chunk,
     )  # fmt: skip
 
 

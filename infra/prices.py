@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from infra.config import StackConfig
 from infra.models import known_model
+from jobs.data_formats import EVAL_SHARE
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,9 @@ def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
         tokens_per_s /= 4 / 3  # every layer's forward runs twice
     if cfg.job.lora:
         tokens_per_s *= 6 / 4  # frozen weights take no weight gradient: 4 FLOPs a parameter, not 6
-    share = (DOLLY_REAL_SHARE, 1.0) if cfg.job.packing else (1.0, 1.0)  # rows per record: packed or padded
-    eval_share = 1 + (1 / 16) / 3 if cfg.job.eval_split != "none" else 1  # the held-out 1/16, forward only
+    recipe = cfg.job.recipe_settings
+    share = (DOLLY_REAL_SHARE, 1.0) if recipe.packing else (1.0, 1.0)  # rows per record: packed or padded
+    eval_share = 1 + (1 / EVAL_SHARE) / 3 if recipe.eval_split != "none" else 1  # the held-out share, forward only
     minutes = [records * s * cfg.job.epochs * cfg.job.seq_len * eval_share / tokens_per_s / 60 for s in share]
     return minutes[0], minutes[1]
 

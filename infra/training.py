@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+from dataclasses import asdict
 
 import pulumi
 import pulumi.dynamic as dynamic
@@ -19,7 +20,6 @@ from infra.config import StackConfig
 from infra.dataset import dataset_ref
 from infra.raycluster import DASHBOARD_PORT, head_service
 from infra.resilience import RetryPolicy
-from jobs.recipe import RECIPE_KEYS
 
 CHECKPOINT_PREFIX = "ray_train_torchtpu"
 OUTPUT_KEYS = (
@@ -53,7 +53,7 @@ def training_settings(cfg: StackConfig) -> dict:
         "lora": job.lora,
         "lora_rank": job.lora_rank,
         "lora_alpha": job.lora_alpha,
-        **{name: getattr(job, name) for name in RECIPE_KEYS},
+        **asdict(job.recipe_settings),
     }
     if cfg.local:
         return settings | {

@@ -70,13 +70,14 @@ from checkpoints import (
     uri,
     write_state,
 )
+from data_formats import OVERLONG
 from loop import Progress, Schedule, evaluate, log_every, steps_per_epoch, train_epoch
 from lora import apply_lora, trainable_and_total
 from memory_plan import Recipe as MemoryRecipe
 from memory_plan import plan, shape_of
 from recipe import RECIPES, SCHEDULES, token_loss_sum, with_recipe
 from render import end_of_turn_id, parse_columns, require_chat_template
-from sft_data import OVERLONG, Docs, examples, is_local, render_ranges, splits
+from sft_data import Docs, examples, is_local, render_ranges, splits
 from utilisation import describe, mfu, model_flops_per_token
 
 METRICS_FILE, LOSS_PLOT, DATA_REPORT, TENSORBOARD_DIR = "metrics.jsonl", "loss.png", "data_report.json", "tensorboard"

@@ -23,14 +23,10 @@ import os
 from dataclasses import dataclass
 
 from backend import JobInputError
+from data_formats import COLUMNS, FORMATS
 from recipe import IGNORE
 
 ROLES = {"system": "system", "user": "user", "assistant": "assistant", "model": "assistant"}
-FORMATS = {  # name -> the columns that identify it
-    "messages": ("messages",),
-    "prompt/completion": ("prompt", "completion"),
-    "instruction/context/response": ("instruction", "response"),
-}
 
 
 class RecordError(ValueError):
@@ -44,10 +40,9 @@ def parse_columns(text: str | None) -> dict[str, str]:
     mapping = {}
     for pair in text.split(","):
         new, sep, old = (part.strip() for part in pair.partition("="))
-        known = {c for cols in FORMATS.values() for c in cols} | {"context"}
-        if not sep or not old or new not in known:
+        if not sep or not old or new not in COLUMNS:
             raise JobInputError(
-                f"--columns {text!r}: each entry is NEW=OLD with NEW one of {', '.join(sorted(known))} "
+                f"--columns {text!r}: each entry is NEW=OLD with NEW one of {', '.join(COLUMNS)} "
                 "(e.g. prompt=question,completion=answer)"
             )
         mapping[old] = new

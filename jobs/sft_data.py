@@ -28,12 +28,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from backend import JobInputError
+from data_formats import EVAL_SHARE, LOCAL_DATA
 from recipe import IGNORE, predicted_tokens
 from render import RecordError, conversation, detect_format, render, tokenize
-
-LOCAL_DATA = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-EVAL_SHARE = 16  # the default eval split: the 1/16 as many records right after the training slice
-OVERLONG = ("truncate", "drop")
 
 
 def is_local(ref: str) -> bool:

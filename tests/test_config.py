@@ -346,7 +346,7 @@ def test_values_the_config_accepts_the_jobs_accept(name):
         finetune = job_specs(training_settings(cfg), cfg.job.max_failures)[1]
         args = parse_args(list(finetune.args))
         assert (args.model, args.dataset, args.split) == (cfg.job.model, cfg.job.dataset, cfg.job.dataset_split)
-        assert args.eval_split == cfg.job.eval_split
+        assert args.eval_split == cfg.job.recipe_settings.eval_split
         assert (args.epochs, args.batch_size, args.seq_len) == (cfg.job.epochs, cfg.job.batch_size, cfg.job.seq_len)
         assert (args.lr, args.max_failures) == (cfg.job.learning_rate, cfg.job.max_failures)
         for split in (args.split, args.eval_split):
@@ -358,7 +358,7 @@ def test_whole_splits_train_with_a_named_eval_split_or_none():
     for raw in ({"datasetSplit": "train", "evalSplit": "none"}, {"datasetSplit": "train+test", "evalSplit": "none"},
                 {"datasetSplit": "train[10%:]", "evalSplit": "test"}, {"datasetSplit": "train[:90%]", "evalSplit": "train[90%:]"}):  # fmt: skip
         cfg = config.parse(raw, stack="v6e", project="p", region=None, zone="us-east5-b", has_token=True)
-        assert (cfg.job.dataset_split, cfg.job.eval_split) == (raw["datasetSplit"], raw["evalSplit"])
+        assert (cfg.job.dataset_split, cfg.job.recipe_settings.eval_split) == (raw["datasetSplit"], raw["evalSplit"])
 
 
 def test_a_local_stack_takes_a_dashboard_url():
