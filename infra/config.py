@@ -553,12 +553,21 @@ def _recipe_keys(r: _Reader, recipe: str, split: str) -> Recipe:
     return Recipe(**values)
 
 
+def absolute_slice(part: str) -> tuple[str, int, float] | None:
+    """(split, first record, end) of one split part with absolute bounds: train -> (train, 0, inf),
+    train[:1024] -> (train, 0, 1024); None for percentages, negative bounds or a sum (train+test)."""
+    m = _ABSOLUTE_PART.fullmatch(part)
+    if not m:
+        return None
+    return m.group(1), int(m.group(2) or 0), int(m.group(3)) if m.group(3) else math.inf
+
+
 def _eval_split(r: _Reader, eval_split: str, split: str) -> None:
     """The held-out split: auto, none or a split expression that never overlaps the training one.
     Checked here where the numbers are absolute; the job checks the rest against the data itself."""
     if eval_split in ("auto", "none"):
-        parts = [_ABSOLUTE_PART.fullmatch(p) for p in split.split("+")]
-        if eval_split == "auto" and (len(parts) != 1 or (parts[0] and not parts[0].group(3))):
+        bounds = absolute_slice(split)
+        if eval_split == "auto" and ("+" in split or (bounds and bounds[2] == math.inf)):
             r.problem(
                 f"{key('evalSplit')}: auto holds out the records after the training slice, but "
                 f"{key('datasetSplit')} {split!r} has no end; set datasetSplit to a slice such as train[:95%] "
@@ -570,11 +579,10 @@ def _eval_split(r: _Reader, eval_split: str, split: str) -> None:
             f"{key('evalSplit')}: {eval_split!r} is not auto, none or a split expression such as train[1024:1088]"
         )
         return
-    for held in (_ABSOLUTE_PART.fullmatch(p) for p in eval_split.split("+")):
-        for trained in (_ABSOLUTE_PART.fullmatch(p) for p in split.split("+")):
-            if held and trained and held.group(1) == trained.group(1):
-                a, b = int(held.group(2) or 0), int(held.group(3)) if held.group(3) else math.inf
-                c, d = int(trained.group(2) or 0), int(trained.group(3)) if trained.group(3) else math.inf
+    for held in map(absolute_slice, eval_split.split("+")):
+        for trained in map(absolute_slice, split.split("+")):
+            if held and trained and held[0] == trained[0]:
+                (_, a, b), (_, c, d) = held, trained
                 if a < d and c < b:
                     r.problem(
                         f"{key('evalSplit')}: {eval_split!r} overlaps {key('datasetSplit')} {split!r}; "

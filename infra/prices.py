@@ -7,10 +7,10 @@ Where no public figure exists the row is absent, not guessed, and the estimate s
 
 from __future__ import annotations
 
-import re
+import math
 from dataclasses import dataclass
 
-from infra.config import StackConfig
+from infra.config import StackConfig, absolute_slice
 from infra.models import known_model
 from jobs.data_formats import EVAL_SHARE
 
@@ -52,8 +52,8 @@ def price_of(cfg: StackConfig) -> Price | None:
 
 def training_records(split: str) -> int | None:
     """Records a split names when its bounds are absolute (train[:1024], train[100:1124]); else unknown."""
-    m = re.fullmatch(r"[A-Za-z0-9_]+\[(\d*):(\d+)\]", split)
-    return int(m.group(2)) - int(m.group(1) or 0) if m else None
+    bounds = absolute_slice(split)
+    return int(bounds[2] - bounds[1]) if bounds and bounds[2] != math.inf else None
 
 
 def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
@@ -118,8 +118,9 @@ def cost_estimate(cfg: StackConfig) -> dict:
         "usd": usd(hours),
         "walkthrough_usd": usd(walkthrough),
         "assumptions": (
-            f"the walkthrough's {WALKTHROUGH_TOKENS_PER_S[cfg.slice.generation.name]:,.0f} padded tokens/s on 16 "
-            "devices for E2B, scaled by devices and by compute per token; packed rows 37% (Dolly) to 100% full; "
+            f"the walkthrough's {WALKTHROUGH_TOKENS_PER_S[cfg.slice.generation.name]:,.0f} padded tokens/s on "
+            f"{WALKTHROUGH_DEVICES} devices for E2B, scaled by devices and by compute per token; packed rows "
+            f"{DOLLY_REAL_SHARE:.0%} (Dolly) to 100% full; "
             f"{OVERHEAD_MINUTES[0]:.0f}-{OVERHEAD_MINUTES[1]:.0f} minutes for nodes, image, load, compile and "
             f"scale-down; the walkthrough's always-on slice {WALKTHROUGH_EXTRA_MINUTES[0]:.0f}-"
             f"{WALKTHROUGH_EXTRA_MINUTES[1]:.0f} minutes more"
