@@ -120,4 +120,4 @@ def test_peak_memory_is_this_processs_high_water_mark_and_resets():
     del block
     assert 0 < before and during - before > 0.05
     cpu.reset_peak_memory()
-    assert cpu.peak_memory_gib() < during
+    assert cpu.peak_memory_gib() < during - 0.05  # the freed block no longer counts
