@@ -24,6 +24,14 @@ GCLOUD_CONFIG = Path(tempfile.mkdtemp(prefix="gcloud-config-"))
 atexit.register(shutil.rmtree, GCLOUD_CONFIG, True)
 isolate_google_clients(METADATA.host, "http://127.0.0.1:9", GCLOUD_CONFIG)
 
+# datasets (at import) and transformers (at first use) give their loggers a handler on the sys.stderr
+# of that moment, once. Done here it is the session's stream, not the stream of whichever `capsys` test
+# came first, which is closed after it: later log lines would end in "--- Logging error ---" tracebacks.
+import datasets  # noqa: E402, F401, I001
+from transformers.utils import logging as transformers_logging  # noqa: E402
+
+transformers_logging.get_logger("transformers")
+
 
 def pytest_collection_modifyitems(items):
     """`e2e`: every test that needs the Ray head (directly or through a fixture); `make test-fast`
