@@ -20,7 +20,7 @@ import yaml
 
 from infra import PROJECT, PULUMI_YAML
 from infra.tpu import GENERATIONS, TpuSlice, is_topology
-from jobs.data_formats import COLUMNS, LOCAL_DATA, OVERLONG
+from jobs.data_formats import COLUMNS, DEFAULT_DATASET, LOCAL_DATA, OVERLONG
 from jobs.recipe import RECIPES, SCHEDULES, Recipe, with_recipe
 
 ROOT = PULUMI_YAML.parent
@@ -219,6 +219,14 @@ class _Reader:
     def problem(self, message: str) -> None:
         self.problems.append(message)
 
+    def given(self, name: str) -> str | None:
+        """The key's value if the user set it, else None. Only for keys without a declared default: the
+        Pulumi CLI applies every Pulumi.yaml default before the program runs (pulumi/pulumi
+        sdk/go/common/workspace, mergeConfig), so a key with one is never unset there."""
+        if "default" in self.decl[name]:
+            raise AssertionError(f"{name} has a default in Pulumi.yaml: whether it was given cannot be known")
+        return self.raw.get(name)
+
     def value(self, name: str) -> str:
         v = self.raw.get(name)
         if v is None:
@@ -317,7 +325,7 @@ def _capacity(r: _Reader, mode: str) -> tuple[str, bool, str]:
     """capacity, with the older `spot` and `reservation` keys mapped onto it; returns (capacity, spot, reservation)."""
     spot = r.boolean("spot")
     reservation = r.value("reservation")
-    given = r.raw.get("capacity")
+    given = r.given("capacity")
     if reservation and not _RESERVATION.fullmatch(reservation):
         r.problem(f"{key('reservation')}: {reservation!r} must be NAME or projects/PROJECT/reservations/NAME")
     if given is not None and given not in CAPACITIES:
@@ -383,8 +391,8 @@ def _price(r: _Reader) -> float | None:
 def _scale_to_zero(r: _Reader, reservation: str) -> bool:
     """Default true, but false with a reservation: reserved capacity is paid whether nodes exist or not,
     so scaling to zero would save nothing and cost a provisioning wait per run."""
-    if r.raw.get("scaleToZero") is None and reservation:
-        return False
+    if r.given("scaleToZero") is None:
+        return not reservation
     return r.boolean("scaleToZero")
 
 
@@ -422,8 +430,10 @@ def _learning_rate(r: _Reader) -> float:
 
 
 def _job(r: _Reader, local: bool) -> JobSettings:
+    dataset = r.given("dataset")
+    refs = {"model": r.value("model"), "dataset": DEFAULT_DATASET if dataset is None else dataset}
     for name, valid, what in (("model", is_model_ref, "a path"), ("dataset", is_data_ref, "a path, glob or gs:// URI")):
-        text = r.value(name)
+        text = refs[name]
         if not valid(text):
             r.problem(
                 f"{key(name)}: {text!r} must be a hub id (org/name) or {what}, without whitespace, "
@@ -433,8 +443,8 @@ def _job(r: _Reader, local: bool) -> JobSettings:
     recipe = _recipe(r)
     dataset_file = _dataset_file(r)
     job = JobSettings(
-        model=r.value("model"),
-        dataset=r.value("dataset"),
+        model=refs["model"],
+        dataset=refs["dataset"],
         dataset_split=split,
         epochs=r.positive("epochs"),
         batch_size=r.positive("batchSize"),
@@ -471,7 +481,7 @@ def _dataset_file(r: _Reader) -> str:
     text = r.value("datasetFile")
     if not text:
         return ""
-    if r.raw.get("dataset") is not None:
+    if r.given("dataset") is not None:
         r.problem(
             f"{key('datasetFile')} and {key('dataset')} are both set; the fine-tune reads one: "
             f"unset one (pulumi config rm {key('dataset')})"
@@ -538,7 +548,7 @@ def _recipe_keys(r: _Reader, recipe: str, split: str) -> Recipe:
                "int": lambda n: r.positive(n, minimum=0)}  # fmt: skip
     given = {}
     for f in fields(Recipe):
-        if r.raw.get(config_key(f.name)) is not None:
+        if r.given(config_key(f.name)) is not None:
             given[f.name] = readers[getattr(f.type, "__name__", f.type)](config_key(f.name))
     values = with_recipe(given, recipe)
     if values["lr_schedule"] not in SCHEDULES:

@@ -12,4 +12,5 @@ FORMATS = {  # name -> the columns that identify it
 }
 COLUMNS = ("messages", "prompt", "completion", "instruction", "context", "response")  # what --columns may name
 OVERLONG = ("truncate", "drop")  # records longer than --seq-len; the first is the default
+DEFAULT_DATASET = "databricks/databricks-dolly-15k"  # the walkthrough's records (Pulumi.yaml's dataset)
 EVAL_SHARE = 16  # the default eval split: the 1/16 as many records right after the training slice

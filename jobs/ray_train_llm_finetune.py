@@ -70,7 +70,7 @@ from checkpoints import (
     uri,
     write_state,
 )
-from data_formats import OVERLONG
+from data_formats import DEFAULT_DATASET, OVERLONG
 from loop import Progress, Schedule, evaluate, log_every, steps_per_epoch, train_epoch
 from lora import apply_lora, trainable_and_total
 from memory_plan import Recipe as MemoryRecipe
@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recipe", choices=RECIPES, default="default", help="the defaults below marked (recipe)")
     p.add_argument("--model", "--model-id", default="google/gemma-4-E2B-it", help="hub id or local directory")
     p.add_argument("--tokenizer", default=None, help="hub id or local directory (default: --model)")
-    p.add_argument("--dataset", default="databricks/databricks-dolly-15k",
+    p.add_argument("--dataset", default=DEFAULT_DATASET,
                    help="hub id; or a json/jsonl/csv/parquet file, directory or glob, local or gs://")  # fmt: skip
     p.add_argument("--dataset-config", default=None, help="the hub dataset's configuration name")
     p.add_argument("--columns", default=None, help="rename columns: NEW=OLD[,NEW=OLD], e.g. prompt=question")

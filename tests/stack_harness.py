@@ -97,8 +97,32 @@ class Run:
         return sorted(r.type for r in self.resources)
 
 
+def wire(value) -> str:
+    """A config value as the program reads it: `pulumi.Config().get` returns strings, true/false for booleans."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def as_cli(raw: dict[str, str], prefix: str = "") -> dict[str, str]:
+    """`raw` as the Pulumi CLI hands it to the program: every key Pulumi.yaml declares with a default, and
+    the stack does not set, set to that default (../shared/FACTS.md; pulumi/pulumi sdk/go/common/workspace,
+    mergeConfig). Every stack test gets its config through here."""
+    from infra.config import declared_keys
+
+    defaults = {f"{prefix}{k}": wire(d["default"]) for k, d in declared_keys().items() if "default" in d}
+    return defaults | {k: v for k, v in raw.items() if v is not None}
+
+
+def parse_as_cli(raw: dict[str, str], *, stack: str = "v6e", project: str | None = "p", region: str | None = None,
+                 zone: str | None = "us-east5-b", has_token: bool = True):  # fmt: skip
+    """infra.config.parse on `raw` with the CLI's defaults applied."""
+    from infra import config
+
+    return config.parse(as_cli(raw), stack=stack, project=project, region=region, zone=zone, has_token=has_token)
+
+
 def stack_config(stack: str, **overrides: str | None) -> dict[str, str]:
-    """The stack file's settings plus what a user sets: project, region, zone, token."""
+    """The stack file's settings plus what a user sets (project, region, zone, token), with the defaults
+    the CLI applies."""
     import yaml
 
     values = yaml.safe_load((ROOT / f"Pulumi.{stack}.yaml").read_text())["config"]
@@ -114,7 +138,7 @@ def stack_config(stack: str, **overrides: str | None) -> dict[str, str]:
             values.pop(full, None)
         else:
             values[full] = value
-    return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in values.items()}
+    return as_cli({k: wire(v) for k, v in values.items()}, prefix="gemma-tpu:")
 
 
 def run_program(stack: str, config: dict[str, str]) -> Run:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from infra.config import ConfigError
-from tests.stack_harness import run_program, stack_config
+from tests.stack_harness import parse_as_cli, run_program, stack_config
 
 STACKS, MODES = ("v6e", "tpu7x"), ("standard", "autopilot")
 CAPACITY = {  # the keys a user sets for each kind
@@ -125,24 +125,20 @@ def test_the_cost_estimate_is_a_preview_output_with_the_slices_price(stack, over
 
 def test_the_estimate_by_hand_for_the_default_v6e_run():
     """1024 Dolly records x 3 epochs, packed 37% to 100% full, at 20,300 tokens/s, plus 12-35 minutes."""
-    from infra.config import parse
     from infra.prices import cost_estimate, estimate_line, training_minutes
 
-    cfg = parse({}, stack="v6e", project="p", region=None, zone="us-east5-b", has_token=True)
+    cfg = parse_as_cli({})
     low, high = training_minutes(cfg)
     per_record = 3 * 512 * (1 + 1 / 48) / 20_300 / 60  # minutes per record at 100%, with the eval
     assert (low, high) == pytest.approx((1024 * 0.37 * per_record, 1024 * per_record))
-    walkthrough = parse({"recipe": "walkthrough"}, stack="v6e", project="p", region=None, zone="us-east5-b",
-                        has_token=True)  # fmt: skip
+    walkthrough = parse_as_cli({"recipe": "walkthrough"})  # fmt: skip
     padded = training_minutes(walkthrough)
     assert padded[0] == padded[1] == pytest.approx(1024 * 3 * 512 / 20_300 / 60)  # 1.3 min
     big = {"model": "google/gemma-4-31B-it", "activationCheckpointing": "true"}
-    full, lora = (training_minutes(parse(big | extra, stack="v6e", project="p", region=None, zone="us-east5-b",
-                                         has_token=True)) for extra in ({}, {"lora": "true"}))  # fmt: skip
+    full, lora = (training_minutes(parse_as_cli(big | extra)) for extra in ({}, {"lora": "true"}))  # fmt: skip
     assert full[1] == pytest.approx(1024 * per_record * (30697345280 / 2279759104) * 4 / 3)
     assert lora[1] == pytest.approx(full[1] * 4 / 6)
-    unknown = parse({"datasetSplit": "train[:90%]", "evalSplit": "train[90%:]"}, stack="v6e", project="p",
-                    region=None, zone="us-east5-b", has_token=True)  # fmt: skip
+    unknown = parse_as_cli({"datasetSplit": "train[:90%]", "evalSplit": "train[90%:]"})
     assert training_minutes(unknown) is None
     assert cost_estimate(unknown)["run"] == ("unknown before the run: the record count of datasetSplit 'train[:90%]' "
                                              "(absolute bounds, such as train[:1024], give it)")  # fmt: skip

@@ -7,7 +7,7 @@ import pytest
 from infra import config
 from infra.config import ConfigError
 from infra.tpu import GENERATIONS, TpuSlice
-from tests.stack_harness import run_program, stack_config
+from tests.stack_harness import as_cli, parse_as_cli, run_program, stack_config
 
 EXPECTED_SLICES = {
     ("v6e", "4x4"): (16, 4, 16, "v6e-16"),
@@ -63,7 +63,7 @@ def test_jobs_restate_the_table_faithfully():
 
 
 def test_defaults_come_from_pulumi_yaml():
-    cfg = config.parse({}, stack="v6e", project="p", region=None, zone="us-east5-b", has_token=True)
+    cfg = parse_as_cli({})
     assert cfg.region == "us-east5"  # derived from the zone
     assert (cfg.mode, cfg.slice.worker_group, cfg.cluster_version) == ("standard", "v6e-16", "1.36")
     assert (cfg.job.model, cfg.job.epochs, cfg.job.batch_size) == ("google/gemma-4-E2B-it", 3, 4)
@@ -342,7 +342,7 @@ def test_values_the_config_accepts_the_jobs_accept(name):
     from infra.training import training_settings
 
     for value in GOOD_JOB_VALUES[name]:
-        cfg = config.parse({name: value}, stack="v6e", project="p", region=None, zone="us-east5-b", has_token=True)
+        cfg = parse_as_cli({name: value})
         finetune = job_specs(training_settings(cfg), cfg.job.max_failures)[1]
         args = parse_args(list(finetune.args))
         assert (args.model, args.dataset, args.split) == (cfg.job.model, cfg.job.dataset, cfg.job.dataset_split)
@@ -357,13 +357,77 @@ def test_values_the_config_accepts_the_jobs_accept(name):
 def test_whole_splits_train_with_a_named_eval_split_or_none():
     for raw in ({"datasetSplit": "train", "evalSplit": "none"}, {"datasetSplit": "train+test", "evalSplit": "none"},
                 {"datasetSplit": "train[10%:]", "evalSplit": "test"}, {"datasetSplit": "train[:90%]", "evalSplit": "train[90%:]"}):  # fmt: skip
-        cfg = config.parse(raw, stack="v6e", project="p", region=None, zone="us-east5-b", has_token=True)
+        cfg = parse_as_cli(raw)
         assert (cfg.job.dataset_split, cfg.job.recipe_settings.eval_split) == (raw["datasetSplit"], raw["evalSplit"])
 
 
 def test_a_local_stack_takes_a_dashboard_url():
     for address in ("http://127.0.0.1:8265", "https://ray.example.com", "http://[::1]:8265/"):
-        cfg = config.parse(
-            {"mode": "local", "rayAddress": address}, stack="l", project=None, region=None, zone=None, has_token=False
+        cfg = parse_as_cli(
+            {"mode": "local", "rayAddress": address}, stack="l", project=None, zone=None, has_token=False
         )
         assert cfg.ray_address == address
+
+
+# ---- config as the Pulumi CLI hands it over: every Pulumi.yaml default applied ----------------
+
+DEFAULTED = [name for name, decl in config.declared_keys().items() if "default" in decl]
+
+
+def _bases(data_file) -> dict[str, tuple[dict, dict]]:
+    """Stacks a user writes, each as (raw config, parse's place arguments)."""
+    gke = {"stack": "v6e", "project": "p", "region": None, "zone": "us-east5-b", "has_token": True}
+    local = {"stack": "local", "project": None, "region": None, "zone": None, "has_token": False}
+    return {
+        "v6e": ({}, gke),
+        "tpu7x autopilot": (
+            {"tpuGeneration": "tpu7x", "tpuTopology": "2x2x2", "mode": "autopilot"},
+            gke | {"region": "us-east5", "zone": None},
+        ),  # fmt: skip
+        "reservation": ({"reservation": "r1"}, gke),
+        "spot": ({"spot": "true"}, gke),
+        "flexStart": ({"capacity": "flexStart"}, gke),
+        "datasetFile": ({"datasetFile": str(data_file)}, gke),
+        "walkthrough, lora": ({"recipe": "walkthrough", "lora": "true", "evalSplit": "auto"}, gke),
+        "local": ({"mode": "local", "datasetFile": str(data_file)}, local),
+    }
+
+
+@pytest.mark.parametrize("base", ["v6e", "tpu7x autopilot", "reservation", "spot", "flexStart", "datasetFile",
+                                  "walkthrough, lora", "local"])  # fmt: skip
+def test_a_declared_default_changes_no_decision(base, tmp_path):
+    """Parsing a stack as written equals parsing it as the CLI delivers it (each default applied), key by key:
+    no decision may hang on whether a key with a declared default was given."""
+    data = tmp_path / "records.jsonl"
+    data.write_text('{"prompt": "a", "completion": "b"}\n')
+    raw, place = _bases(data)[base]
+    as_written = config.parse(raw, **place)
+    for name in DEFAULTED:
+        if name not in raw:
+            with_default = raw | {name: as_cli({}).get(name)}
+            assert config.parse(with_default, **place) == as_written, f"{name}'s declared default changed the config"
+    assert config.parse(as_cli(raw), **place) == as_written
+
+
+def test_only_keys_without_a_default_can_be_asked_whether_they_were_given():
+    reader = config._Reader({})
+    assert reader.given("capacity") is None and reader.given("dataset") is None
+    with pytest.raises(AssertionError, match="epochs has a default in Pulumi.yaml"):
+        reader.given("epochs")
+
+
+def test_a_dataset_file_alone_is_read_under_the_clis_defaults(tmp_path):
+    data = tmp_path / "records.jsonl"
+    data.write_text('{"prompt": "a", "completion": "b"}\n')
+    cfg = parse_as_cli({"datasetFile": str(data)})
+    assert cfg.job.dataset_file == str(data)
+    assert parse_as_cli({}).job.dataset == "databricks/databricks-dolly-15k"  # the walkthrough's, unset
+    with pytest.raises(ConfigError, match="datasetFile and gemma-tpu:dataset are both set"):
+        parse_as_cli({"datasetFile": str(data), "dataset": "databricks/databricks-dolly-15k"})
+
+
+def test_a_reservation_keeps_the_slice_up_unless_scale_to_zero_is_set():
+    assert parse_as_cli({"reservation": "r1"}).scale_to_zero is False
+    assert parse_as_cli({"reservation": "r1", "scaleToZero": "true"}).scale_to_zero is True
+    assert parse_as_cli({}).scale_to_zero is True
+    assert parse_as_cli({"scaleToZero": "false"}).scale_to_zero is False

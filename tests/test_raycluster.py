@@ -11,6 +11,7 @@ import pytest
 from infra import config
 from infra.raycluster import ray_cluster_manifest
 from tests.crd_schema import load_schema, validate
+from tests.stack_harness import parse_as_cli
 
 CRD_FILE = Path(__file__).resolve().parents[2] / "shared" / "kuberay-crds" / "ray.io_rayclusters.yaml"
 IMAGE = "us-east5-docker.pkg.dev/p/ray-torchtpu/ray-torchtpu@sha256:" + "cd" * 32
@@ -18,14 +19,7 @@ TOKEN_ENV = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-secr
 
 
 def cfg_for(generation: str, topology: str, **raw) -> config.StackConfig:
-    return config.parse(
-        {"tpuGeneration": generation, "tpuTopology": topology, **raw},
-        stack="t",
-        project="p",
-        region="us-east5",
-        zone="us-east5-b",
-        has_token=True,
-    )
+    return parse_as_cli({"tpuGeneration": generation, "tpuTopology": topology, **raw}, stack="t", region="us-east5")
 
 
 def walkthrough_manifest(group, hosts, memory, shm, accelerator, topology, ironwood):

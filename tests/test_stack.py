@@ -164,7 +164,9 @@ def test_pulumi_config_documents_scale_to_zero():
     from infra.config import declared_keys
 
     keys = declared_keys()
-    assert (keys["scaleToZero"]["type"], keys["scaleToZero"]["default"]) == ("boolean", True)
+    # no declared default: the CLI would apply it, and a reservation could no longer turn it off (its default)
+    assert keys["scaleToZero"]["type"] == "boolean" and "default" not in keys["scaleToZero"]
+    assert keys["scaleToZero"]["description"].startswith("(default true; false with a reservation)")
     assert "reservation" in keys["scaleToZero"]["description"] and "walkthrough" in keys["scaleToZero"]["description"]
     assert (keys["sliceReadyTimeoutMinutes"]["type"], keys["sliceReadyTimeoutMinutes"]["default"]) == ("integer", 30)
 
