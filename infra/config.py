@@ -17,11 +17,11 @@ from functools import cache
 from pathlib import Path
 
 import yaml
+from data_formats import COLUMNS, DEFAULT_DATASET, LOCAL_DATA, OVERLONG
+from recipe import RECIPES, SCHEDULES, Recipe, with_recipe
 
 from infra import PROJECT, PULUMI_YAML
 from infra.tpu import GENERATIONS, TpuSlice, is_topology
-from jobs.data_formats import COLUMNS, DEFAULT_DATASET, LOCAL_DATA, OVERLONG
-from jobs.recipe import RECIPES, SCHEDULES, Recipe, with_recipe
 
 ROOT = PULUMI_YAML.parent
 MODES = ("standard", "autopilot", "local")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 
-from jobs.memory_plan import MemoryPlan, ModelShape, Recipe, plan, remedies
+from memory_plan import MemoryPlan, ModelShape, Workload, plan, remedies
 
 MODELS: dict[str, ModelShape] = {
     m.name: m
@@ -53,9 +53,9 @@ def known_model(ref: str) -> ModelShape | None:
     return MODELS[next(k for k in MODELS if k.lower() == m.group(1).lower())] if m else None
 
 
-def recipe_of(job, tpu_slice) -> Recipe:
+def workload_of(job, tpu_slice) -> Workload:
     """The plan's view of the stack's job settings on a slice (bf16, as on TPU)."""
-    return Recipe(
+    return Workload(
         devices=tpu_slice.devices, batch=job.batch_size, seq_len=job.seq_len, dtype_bytes=2,
         activation_checkpointing=job.activation_checkpointing, lora=job.lora, lora_rank=job.lora_rank,
         loss_chunk=job.recipe_settings.loss_chunk,
@@ -65,7 +65,7 @@ def recipe_of(job, tpu_slice) -> Recipe:
 def memory_plan(job, tpu_slice) -> MemoryPlan | None:
     """The plan per device for a model the table knows; None for another (the job plans it from config.json)."""
     model = known_model(job.model)
-    return None if model is None else plan(model, recipe_of(job, tpu_slice), tpu_slice.hbm_gib_per_device)
+    return None if model is None else plan(model, workload_of(job, tpu_slice), tpu_slice.hbm_gib_per_device)
 
 
 def memory_remedies(job, tpu_slice) -> list[str]:
@@ -73,7 +73,7 @@ def memory_remedies(job, tpu_slice) -> list[str]:
 
     generation = tpu_slice.generation
     devices = {t: TpuSlice(generation, t).devices for t in generation.topologies}
-    return remedies(known_model(job.model), recipe_of(job, tpu_slice), tpu_slice.hbm_gib_per_device, devices)
+    return remedies(known_model(job.model), workload_of(job, tpu_slice), tpu_slice.hbm_gib_per_device, devices)
 
 
 def memory_plan_output(job, tpu_slice) -> dict:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from data_formats import EVAL_SHARE
+
 from infra.config import StackConfig, absolute_slice
 from infra.models import known_model
-from jobs.data_formats import EVAL_SHARE
 
 
 @dataclass(frozen=True)

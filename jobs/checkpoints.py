@@ -169,11 +169,11 @@ class ShardedCheckpointer:
             torch.set_rng_state(state[f"rng_rank{self.rank}"])
 
 
-def save_pretrained(model, tokenizer, directory: str) -> None:
+def save_pretrained(model, tokenizer, directory: str, lora=None) -> None:
     """Gather the full state (all ranks take part; frozen parameters too), then rank 0 writes a
     from_pretrained directory: weights, config, generation config, tokenizer with its chat template.
     With LoRA the adapters are merged into the weights (loading needs no peft), and also written
-    alone to `adapter/`, loadable with peft."""
+    alone to `adapter/`, loadable with peft (`lora`: the adapters' peft LoraConfig)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -182,7 +182,6 @@ def save_pretrained(model, tokenizer, directory: str) -> None:
     state_dict = get_model_state_dict(model, options=options)
     if dist.get_rank() != 0:
         return
-    lora = getattr(model, "lora_config", None)
     if lora is not None:
         from lora import ADAPTER_DIR, save_adapter, split_merged
 
@@ -192,14 +191,14 @@ def save_pretrained(model, tokenizer, directory: str) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def export_pretrained(model, tokenizer, filesystem, target: str) -> None:
+def export_pretrained(model, tokenizer, filesystem, target: str, lora=None) -> None:
     """A from_pretrained directory at `target` in the run's storage (pyarrow `filesystem`): written
     locally by rank 0 after the gather, then copied. A sharded run does this once, at the end."""
     import pyarrow.fs
     import torch.distributed as dist
 
     with tempfile.TemporaryDirectory() as local:
-        save_pretrained(model, tokenizer, local)
+        save_pretrained(model, tokenizer, local, lora)
         if dist.get_rank() == 0:
             filesystem.create_dir(target, recursive=True)
             pyarrow.fs.copy_files(local, target, destination_filesystem=filesystem)

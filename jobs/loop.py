@@ -1,8 +1,9 @@
-"""The training loop's parts: one optimizer step, one epoch, the held-out eval, and progress.
+"""The training loop's parts: this rank's data, one optimizer step, one epoch, the held-out eval, and
+progress.
 
-They take a model whose forward returns the sum of its token losses (see
-ray_train_llm_finetune.use_loss_forward) and a torch.distributed process group; no Ray, so the
-tests run them in one process (or two, for the collectives).
+They take a model whose forward returns the sum of its token losses (model.TokenLoss) and a
+torch.distributed process group; no Ray, so the tests run them in one process (or two, for the
+collectives).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 from backend import worker_print
 from recipe import IGNORE, clip_grad_norm, lr_at, predicted_tokens
-from sft_data import model_inputs
+from sft_data import examples, model_inputs, prepare_docs
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,33 @@ class Schedule:
 
 def steps_per_epoch(batches_per_rank: int, grad_accum: int) -> int:
     return batches_per_rank // grad_accum
+
+
+class TrainingData:
+    """This rank's loader over the training rows (sharded, shuffled by seed and epoch), the eval rows,
+    and the steps an epoch takes. Every rank renders the same records the same way."""
+
+    def __init__(self, settings, tokenizer, rank: int, world: int):
+        import torch
+
+        train, held_out = prepare_docs(settings, tokenizer)
+        pad = tokenizer.pad_token_id
+        side = getattr(tokenizer, "padding_side", "right")
+        rows = examples(train.items, settings.seq_len, settings.packing, pad, settings.seed, side)
+        self.sampler = torch.utils.data.DistributedSampler(
+            rows, num_replicas=world, rank=rank, shuffle=True, seed=settings.seed, drop_last=True
+        )
+        self.loader = torch.utils.data.DataLoader(rows, batch_size=settings.batch_size, sampler=self.sampler,
+                                                  drop_last=True)  # fmt: skip
+        self.steps = steps_per_epoch(len(self.loader), settings.grad_accum)
+        self.eval = (
+            examples(held_out.items, settings.seq_len, settings.packing, pad, settings.seed, side)
+            if held_out.items
+            else None
+        )
+
+    def schedule(self, settings) -> Schedule:
+        return Schedule(settings.lr, settings.lr_schedule, settings.warmup_ratio, self.steps * settings.epochs)
 
 
 def train_step(model, optimizer, micro_batches: list, lr: float, max_grad_norm: float, packing: bool, device) -> dict:
@@ -82,19 +110,16 @@ def global_sum(*values: float, device=None) -> list[float]:
     return t.tolist()
 
 
-def train_epoch(
-    model, optimizer, loader, schedule: Schedule, first_step: int, settings: dict, device, progress
-) -> dict:
+def train_epoch(model, optimizer, loader, schedule: Schedule, first_step: int, settings, device, progress) -> dict:
     """One pass over this rank's rows; the loss is token-weighted over the whole epoch and all ranks."""
     import torch
 
     loss_sum = torch.zeros((), dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
     predicted = real = 0.0
     steps, last = 0, {}
-    for group in micro_batch_groups(loader, settings["grad_accum"]):
+    for group in micro_batch_groups(loader, settings.grad_accum):
         step = first_step + steps
-        last = train_step(model, optimizer, group, schedule.lr(step), settings["max_grad_norm"], settings["packing"],
-                          device)  # fmt: skip
+        last = train_step(model, optimizer, group, schedule.lr(step), settings.max_grad_norm, settings.packing, device)
         loss_sum += last["loss_sum"]
         predicted, real = predicted + float(last["predicted"]), real + float(last["real"])
         steps += 1
@@ -146,14 +171,14 @@ def evaluate(model, dataset, batch_size: int, packing: bool, rank: int, world: i
 @dataclass
 class Progress:
     """Every `every` steps, rank 0 prints one line (step, loss, lr, grad norm, real tok/s) and writes
-    the same to TensorBoard event files (`writer`, if any). The loss is the global one since the last
+    the same to TensorBoard (`board`, a run_files.TensorBoard, if any). The loss is the global one since the last
     line: one small all-reduce at each printed step, none in between."""
 
     every: int
     total_steps: int
     rank: int
     device: object = None
-    writer: object = None
+    board: object = None
     _since: dict = field(default_factory=lambda: {"loss_sum": 0.0, "predicted": 0.0, "real": 0.0})
     _started: float = field(default_factory=time.perf_counter)
     _done: int = 0
@@ -178,38 +203,24 @@ class Progress:
                 f"step {done}/{self.total_steps}  loss {values['loss']:.4f}  lr {values['lr']:.3g}  "
                 f"grad_norm {values['grad_norm']:.3f}  real tok/s {values['real_tokens_per_s']:,.0f}"
             )
-            if self.writer is not None:
+            if self.board is not None:
                 for name, value in values.items():
-                    self.writer.add_scalar(f"train/{name}", value, done)
+                    self.board.add_scalar(f"train/{name}", value, done)
         self._since = {"loss_sum": 0.0, "predicted": 0.0, "real": 0.0}
         self._started = time.perf_counter()
 
     def epoch(self, metrics: dict) -> None:
         """The epoch's losses into TensorBoard, whose files then go to the run's storage."""
-        if self.writer is None:
+        if self.board is None:
             return
         for name in ("loss", "eval_loss"):
             if metrics.get(name) is not None:
-                self.writer.add_scalar(f"epoch/{name}", metrics[name], self._done)
-        self.writer.flush()
-        publish(self.writer)
+                self.board.add_scalar(f"epoch/{name}", metrics[name], self._done)
+        self.board.publish()
 
     def close(self) -> None:
-        if self.writer is not None:
-            import shutil
-
-            self.writer.close()
-            publish(self.writer)
-            shutil.rmtree(self.writer.log_dir, ignore_errors=True)  # the local copy; storage has the files
-
-
-def publish(writer) -> None:
-    """Copy the writer's local event files to its `target` (a pyarrow filesystem and directory)."""
-    import pyarrow.fs
-
-    filesystem, directory = writer.target
-    filesystem.create_dir(directory, recursive=True)
-    pyarrow.fs.copy_files(writer.log_dir, directory, destination_filesystem=filesystem)
+        if self.board is not None:
+            self.board.close()
 
 
 def log_every(steps_per_epoch_: int, lines_per_epoch: int = 10) -> int:

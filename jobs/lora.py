@@ -1,4 +1,4 @@
-"""LoRA on the language model: adapters added before FSDP, trained alone, merged at the export.
+"""LoRA on the language model: adapters added before FSDP (model.apply_lora), trained alone, merged at the export.
 
 Targets are the q/k/v/o projections and the MLP's gate/up/down of every decoder layer, whichever
 exist (Gemma 4's KV-shared layers have no k_proj/v_proj, its global layers no v_proj where K = V;
@@ -16,16 +16,6 @@ from memory_plan import LORA_TARGETS
 
 TARGET_PATTERN = r".*language_model\.layers\.\d+\..*\.(" + "|".join(LORA_TARGETS) + ")"
 ADAPTER_DIR = "adapter"
-
-
-def apply_lora(model, rank: int, alpha: int):
-    """Inject the adapters (the base is frozen by peft); returns the peft LoraConfig, kept on the model."""
-    from peft import LoraConfig, inject_adapter_in_model
-
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGET_PATTERN, lora_dropout=0.0, bias="none")
-    inject_adapter_in_model(config, model)
-    model.lora_config = config
-    return config
 
 
 def split_merged(state_dict: dict, scale: float) -> tuple[dict, dict]:

@@ -55,8 +55,8 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
-class Recipe:
-    """What the plan needs of a run."""
+class Workload:
+    """What the plan needs of a run: its devices, rows and the choices that change memory."""
 
     devices: int
     batch: int  # rows per device
@@ -93,25 +93,25 @@ class MemoryPlan:
         return out
 
 
-def trainable_params(model: ModelShape, recipe: Recipe) -> int:
-    return recipe.lora_rank * model.lora_in_out if recipe.lora else model.params - model.per_layer_table
+def trainable_params(model: ModelShape, workload: Workload) -> int:
+    return workload.lora_rank * model.lora_in_out if workload.lora else model.params - model.per_layer_table
 
 
-def plan(model: ModelShape, recipe: Recipe, hbm_gib: float | None = None) -> MemoryPlan:
-    """Bytes per device of a fine-tune of `model` under `recipe`, by part (see the module's docstring)."""
-    w, devices = recipe.dtype_bytes, recipe.devices
-    trainable = trainable_params(model, recipe)
-    sharded = model.params - model.per_layer_table + (trainable if recipe.lora else 0)
+def plan(model: ModelShape, workload: Workload, hbm_gib: float | None = None) -> MemoryPlan:
+    """Bytes per device of a fine-tune of `model` under `workload`, by part (see the module's docstring)."""
+    w, devices = workload.dtype_bytes, workload.devices
+    trainable = trainable_params(model, workload)
+    sharded = model.params - model.per_layer_table + (trainable if workload.lora else 0)
     gathered = model.embedding + 2 * model.largest_layer
-    tokens = recipe.batch * recipe.seq_len
+    tokens = workload.batch * workload.seq_len
     per_token_layer = w * (8 * model.hidden + 2 * model.query_width + 2 * model.kv_width + 4 * model.mlp_width)
-    per_token_layer += model.heads * recipe.seq_len * (w + 4 + w)
-    if recipe.activation_checkpointing:
+    per_token_layer += model.heads * workload.seq_len * (w + 4 + w)
+    if workload.activation_checkpointing:
         activations = tokens * (model.layers * model.hidden * w + per_token_layer)
     else:
         activations = tokens * model.layers * per_token_layer
-    if recipe.loss_chunk > 0:  # (the head's gradient it accumulates is the root's unsharded gradient above)
-        logits = min(recipe.loss_chunk, tokens) * model.vocab * 4 * 3
+    if workload.loss_chunk > 0:  # (the head's gradient it accumulates is the root's unsharded gradient above)
+        logits = min(workload.loss_chunk, tokens) * model.vocab * 4 * 3
     else:
         logits = tokens * model.vocab * (w + 4 + 4)
     parts = {
@@ -119,44 +119,44 @@ def plan(model: ModelShape, recipe: Recipe, hbm_gib: float | None = None) -> Mem
         "gradients": trainable * w / devices,
         "optimizer": 2 * trainable * w / devices,
         "frozen_tables": model.per_layer_table * w,
-        "gathered": gathered * w * (1 if recipe.lora else 2),
+        "gathered": gathered * w * (1 if workload.lora else 2),
         "activations": activations,
         "logits": logits,
     }
     return MemoryPlan({k: v / GIB for k, v in parts.items()}, hbm_gib)
 
 
-def remedies(model: ModelShape, recipe: Recipe, hbm_gib: float, topologies: dict[str, int]) -> list[str]:
+def remedies(model: ModelShape, workload: Workload, hbm_gib: float, topologies: dict[str, int]) -> list[str]:
     """What would fit, in the order to try it: activation checkpointing, LoRA, a smaller batch, a larger
     topology (`topologies`: name -> devices), a shorter sequence (a power of two)."""
     found = []
 
-    def fits(r: Recipe) -> MemoryPlan | None:
-        p = plan(model, r, hbm_gib)
+    def fits(w: Workload) -> MemoryPlan | None:
+        p = plan(model, w, hbm_gib)
         return p if p.fits else None
 
-    if not recipe.activation_checkpointing and (p := fits(replace(recipe, activation_checkpointing=True))):
+    if not workload.activation_checkpointing and (p := fits(replace(workload, activation_checkpointing=True))):
         found.append(f"activationCheckpointing: true ({p.total_gib:.1f} GiB)")
-    if not recipe.lora:
-        if p := fits(replace(recipe, lora=True)):
+    if not workload.lora:
+        if p := fits(replace(workload, lora=True)):
             found.append(f"lora: true ({p.total_gib:.1f} GiB)")
-        elif not recipe.activation_checkpointing and (
-            p := fits(replace(recipe, lora=True, activation_checkpointing=True))
+        elif not workload.activation_checkpointing and (
+            p := fits(replace(workload, lora=True, activation_checkpointing=True))
         ):
             found.append(f"lora: true with activationCheckpointing: true ({p.total_gib:.1f} GiB)")
-    batches = [b for b in range(recipe.batch - 1, 0, -1) if fits(replace(recipe, batch=b))]
+    batches = [b for b in range(workload.batch - 1, 0, -1) if fits(replace(workload, batch=b))]
     if batches:
         found.append(
-            f"batchSize: {batches[0]} ({plan(model, replace(recipe, batch=batches[0]), hbm_gib).total_gib:.1f} GiB)"
+            f"batchSize: {batches[0]} ({plan(model, replace(workload, batch=batches[0]), hbm_gib).total_gib:.1f} GiB)"
         )
     for name, devices in sorted(topologies.items(), key=lambda t: t[1]):
-        if devices > recipe.devices and (p := fits(replace(recipe, devices=devices))):
+        if devices > workload.devices and (p := fits(replace(workload, devices=devices))):
             found.append(f"tpuTopology: {name} ({p.total_gib:.1f} GiB)")
             break
     if not found:
-        shorter = [2**k for k in range(recipe.seq_len.bit_length() - 1, 6, -1) if 2**k < recipe.seq_len]
+        shorter = [2**k for k in range(workload.seq_len.bit_length() - 1, 6, -1) if 2**k < workload.seq_len]
         for seq_len in shorter:
-            if p := fits(replace(recipe, seq_len=seq_len)):
+            if p := fits(replace(workload, seq_len=seq_len)):
                 found.append(f"seqLen: {seq_len} ({p.total_gib:.1f} GiB)")
                 break
     return found

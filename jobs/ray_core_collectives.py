@@ -68,13 +68,6 @@ def make_ffn(hidden: int, expansion: int, seed: int):
     return ResidualFFN()
 
 
-def apply_tp(model, mesh):
-    """Megatron-style: W1 split by output columns, W2 by input rows; one all-reduce per forward."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    return parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
-
-
 @ray.remote
 class CollectivesWorker:
     def __init__(self, backend: str, index: int, devices_per_host: int):
@@ -128,6 +121,7 @@ def check_rank(backend, rank: int, world: int, args: dict) -> dict:
     and an all-reduce of rank + 1."""
     import torch
     import torch.distributed as dist
+    from model import apply_tp
     from torch.distributed.device_mesh import init_device_mesh
 
     device = backend.device()

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from backend import JobInputError
 from data_formats import EVAL_SHARE, LOCAL_DATA
 from recipe import IGNORE, predicted_tokens
-from render import RecordError, conversation, detect_format, render, tokenize
+from render import RecordError, conversation, detect_format, render, require_chat_template, tokenize
 
 
 def is_local(ref: str) -> bool:
@@ -200,14 +200,14 @@ def check_disjoint(train: list, held_out: list) -> None:
                 )
 
 
-def splits(settings: dict) -> tuple[list, list, dict[str, Source]]:
+def splits(settings) -> tuple[list, list, dict[str, Source]]:
     """(train ranges, eval ranges or [], the loaded splits by name) from --split and --eval-split."""
-    eval_spec = settings["eval_split"]
-    specs = [spec for spec in (settings["split"], eval_spec) if spec not in ("auto", "none")]
+    eval_spec = settings.eval_split
+    specs = [spec for spec in (settings.split, eval_spec) if spec not in ("auto", "none")]
     names = {part.split("[", 1)[0] for spec in specs for part in spec.split("+")}
-    loaded = {n: load_split(settings["dataset"], n, settings.get("dataset_config")) for n in sorted(names)}
+    loaded = {n: load_split(settings.dataset, n, settings.dataset_config) for n in sorted(names)}
     sizes = {n: len(s.data) for n, s in loaded.items()}
-    train = absolute(settings["split"], sizes)
+    train = absolute(settings.split, sizes)
     if eval_spec == "none":
         return train, [], loaded
     held_out = default_eval(train, sizes) if eval_spec == "auto" else absolute(eval_spec, sizes)
@@ -246,35 +246,86 @@ class Docs:
         }
 
 
-def render_ranges(ranges, loaded: dict[str, Source], tokenizer, settings: dict) -> Docs:
+def render_ranges(ranges, loaded: dict[str, Source], tokenizer, settings) -> Docs:
     """Every record of the ranges, rendered and tokenized; errors name the file and row."""
     docs = Docs()
-    seq_len = settings["seq_len"]
+    seq_len = settings.seq_len
     for name, start, stop in ranges:
         source = loaded[name]
         data = source.data.rename_columns(
-            {old: new for old, new in settings["columns"].items() if old in source.data.column_names}
+            {old: new for old, new in settings.columns.items() if old in source.data.column_names}
         )
         fmt = detect_format(data.column_names)
         docs.formats.add(fmt)
         for row in range(start, stop):
             try:
                 turns = conversation(data[row], fmt)
-                ids, labels = tokenize(render(turns, tokenizer, settings["chat_template"]), tokenizer,
-                                       settings["prompt_loss"])  # fmt: skip
+                ids, labels = tokenize(render(turns, tokenizer, settings.chat_template), tokenizer,
+                                       settings.prompt_loss)  # fmt: skip
             except RecordError as err:
                 raise JobInputError(f"{source.where(row)}: {err}") from None
             docs.read += 1
             if len(ids) > docs.longest[0]:
                 docs.longest = (len(ids), source.where(row))
             if len(ids) > seq_len:
-                if settings["overlong"] == "drop":
+                if settings.overlong == "drop":
                     docs.dropped += 1
                     continue
                 docs.truncated += 1
                 ids, labels = ids[:seq_len], labels[:seq_len]
             docs.items.append((ids, labels))
     return docs
+
+
+def prepare_docs(settings, tokenizer) -> tuple[Docs, Docs]:
+    """The training and eval records, checked, rendered and tokenized."""
+    if settings.chat_template:
+        require_chat_template(tokenizer, settings.tokenizer_ref)
+    train, held_out, loaded = splits(settings)
+    return render_ranges(train, loaded, tokenizer, settings), render_ranges(held_out, loaded, tokenizer, settings)
+
+
+def data_report(settings, workers: int) -> dict:
+    """Reads, checks and renders every record (errors name the file and row), on this machine's CPU,
+    and says what the run will train on; fails if the data does not fill one global batch."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_ref, token=os.environ.get("HF_TOKEN"))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    train, held_out = prepare_docs(settings, tokenizer)
+    rows = len(examples(train.items, settings.seq_len, settings.packing, tokenizer.pad_token_id, settings.seed))
+    needed = workers * settings.batch_size * settings.grad_accum
+    if rows < needed:
+        kind = "packed rows" if settings.packing else "records"
+        raise JobInputError(f"{rows} {kind} are fewer than one global batch ({workers} workers x "
+                            f"{settings.batch_size} rows x {settings.grad_accum} accumulation = {needed})")  # fmt: skip
+    return {
+        "dataset": settings.dataset,
+        "split": settings.split,
+        "eval_split": settings.eval_split,
+        "chat_template": settings.chat_template,
+        "overlong": settings.overlong,
+        "train": train.report(),
+        "eval": held_out.report() if held_out.read else None,
+        "train_rows": rows,
+        "steps_per_epoch": rows // needed,
+    }
+
+
+def print_data_report(report: dict) -> None:
+    t = report["train"]
+    print(
+        f"data: {t['records_read']} training records ({t['format']}) from {report['dataset']} ({report['split']}), "
+        f"{t['records_used']} used ({t['truncated']} truncated, {t['dropped']} dropped at --seq-len); "
+        f"{t['tokens']:,} tokens, {t['predicted_share']:.1%} of them trained on; longest "
+        f"{t['longest_record_tokens']} tokens ({t['longest_record']}); {report['train_rows']} rows, "
+        f"{report['steps_per_epoch']} steps an epoch",
+        flush=True,
+    )
+    e = report["eval"]
+    print(f"eval: {e['records_used']} held-out records, {e['predicted_tokens']:,} tokens scored"
+          if e else "eval: none", flush=True)  # fmt: skip
 
 
 # ---- rows -------------------------------------------------------------------------------------

@@ -12,38 +12,46 @@ import tempfile
 from pathlib import Path
 
 
-def settings(assets: dict, *flags: str) -> dict:
-    """The job's resolved settings for `flags` (after the tiny model, its data and the CPU backend)."""
-    import ray_train_llm_finetune as ft
+def settings(assets: dict, *flags: str):
+    """The job's resolved settings (a flags.FinetuneSettings) for `flags`, after the tiny model, its data
+    and the CPU backend."""
+    from flags import parse_args, resolve
 
     base = ["--backend", "cpu", "--num-workers", "1", "--model", assets["model"], "--dataset", assets["dataset"],
             "--seq-len", "128", "--lr", "1e-3", "--split", "train[:80]"]  # fmt: skip
-    return ft.resolve(ft.parse_args([*base, *flags]))
+    return resolve(parse_args([*base, *flags]))
 
 
-def train(config: dict, rank: int = 0, world: int = 1, epochs: int | None = None, progress=None):
-    """build + TrainingData + train_epoch (+ evaluate) as train_loop_per_worker runs them;
-    returns (model, tokenizer, history). Needs an initialised process group."""
-    import ray_train_llm_finetune as ft
-    import torch
+def build(settings, world: int = 1, restored=None):
+    """model.build_model and its optimizer, on CPU in fp32: (trainee, optimizer)."""
     from backend import get_backend
-    from loop import Progress, evaluate, train_epoch
+    from model import adamw, build_model
 
-    torch.manual_seed(config["seed"])
-    model, tokenizer, optimizer = ft.build(config, get_backend("cpu"), "float32", world, None)
-    data = ft.TrainingData(config, tokenizer, rank, world)
-    schedule = data.schedule(config)
+    trainee = build_model(settings, get_backend("cpu"), "float32", world, restored)
+    return trainee, adamw(trainee, settings)
+
+
+def train(settings, rank: int = 0, world: int = 1, epochs: int | None = None, progress=None):
+    """build + TrainingData + train_epoch (+ evaluate) as train_loop_per_worker runs them;
+    returns (trainee, history). Needs an initialised process group."""
+    import torch
+    from loop import Progress, TrainingData, evaluate, train_epoch
+
+    torch.manual_seed(settings.seed)
+    trainee, optimizer = build(settings, world)
+    data = TrainingData(settings, trainee.tokenizer, rank, world)
+    schedule = data.schedule(settings)
     progress = progress or Progress(10**9, schedule.total_steps, rank)
     history = []
-    for epoch in range(epochs or config["epochs"]):
+    for epoch in range(epochs or settings.epochs):
         data.sampler.set_epoch(epoch)
-        result = train_epoch(model, optimizer, data.loader, schedule, epoch * data.steps, config, torch.device("cpu"),
-                             progress)  # fmt: skip
+        result = train_epoch(trainee.loss, optimizer, data.loader, schedule, epoch * data.steps, settings,
+                             torch.device("cpu"), progress)  # fmt: skip
         if data.eval is not None:
-            result |= evaluate(model, data.eval, config["batch_size"], config["packing"], rank, world,
+            result |= evaluate(trainee.loss, data.eval, settings.batch_size, settings.packing, rank, world,
                                torch.device("cpu"))  # fmt: skip
         history.append(result)
-    return model, tokenizer, history
+    return trainee, history
 
 
 def full_state(model) -> dict:
@@ -66,8 +74,8 @@ def _rank_main(rank: int, world: int, rendezvous: str, config: dict, epochs: int
         torch.set_num_threads(1)  # as Ray starts its workers (OMP_NUM_THREADS=1): ranks share the cores
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
-        model, _, history = train(config, rank, world, epochs)
-        state = full_state(model)
+        trainee, history = train(config, rank, world, epochs)
+        state = full_state(trainee.model)
         if rank == 0:
             torch.save({"state": state, "history": history}, out)
     finally:

@@ -73,10 +73,10 @@ def whole(tensor):
 def test_a_backend_that_cannot_stage_falls_back_to_a_synchronous_save(tiny_assets, tmp_path, monkeypatch, capfd):
     """One gloo rank: the async save's staging fails, the shard is written synchronously instead,
     and it loads back into a fresh model and optimizer exactly."""
-    import ray_train_llm_finetune as ft
     import torch
     import torch.distributed as dist
     from checkpoints import ShardedCheckpointer
+    from model import TokenLoss, apply_fsdp, freeze_per_layer_embeddings, load_model
     from torch.distributed.checkpoint.staging import DefaultStager
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -85,13 +85,13 @@ def test_a_backend_that_cannot_stage_falls_back_to_a_synchronous_save(tiny_asset
 
     def trained(steps: int):
         torch.manual_seed(0)
-        model = ft.load_model(tiny_assets["model"], "float32")
-        table = ft.freeze_per_layer_embeddings(model)
-        ft.apply_fsdp(model, init_device_mesh("cpu", (1,)), ignored={table}, dtype="float32")
+        model = load_model(tiny_assets["model"], "float32")
+        table = freeze_per_layer_embeddings(model)
+        root = apply_fsdp(TokenLoss(model, 0), init_device_mesh("cpu", (1,)), ignored={table}, dtype="float32")
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         for _ in range(steps):
             ids = torch.randint(0, 8, (2, 16))
-            model(input_ids=ids, labels=ids).loss.backward()
+            root(input_ids=ids, labels=ids).backward()
             optimizer.step()
             optimizer.zero_grad()
         return model, optimizer
@@ -126,22 +126,23 @@ def test_a_walkthrough_checkpoint_restores_its_weights_and_epoch(tiny_assets, tm
     import ray.train
     import ray_train_llm_finetune as ft
     import torch
-    from backend import get_backend
     from checkpoints import ShardedCheckpointer, export_pretrained, write_state
 
-    from tests.inprocess import settings
+    from tests.inprocess import build, settings
 
     config = settings(tiny_assets, "--recipe", "walkthrough", "--lr", "1e-2")
-    model, tokenizer, optimizer = ft.build(config, get_backend("cpu"), "float32", 1, None)
+    trainee, optimizer = build(config)
+    model = trainee.model
     ids = torch.randint(0, 8, (2, 16))
-    model(input_ids=ids, labels=ids).backward()  # (the training forward returns the summed token loss)
+    trainee.loss(input_ids=ids, labels=ids).backward()  # (the training forward returns the summed token loss)
     optimizer.step()
     directory, local = str(tmp_path / "checkpoint_2026-12-03_10-00-00.000000"), pyarrow.fs.LocalFileSystem()
-    export_pretrained(model, tokenizer, local, directory)
+    export_pretrained(model, trainee.tokenizer, local, directory)
     write_state(local, directory, {"epoch": 1, "history": [{"epoch": 1}], "attempt": 1, "world_size": 1})
 
     restored = ray.train.Checkpoint(directory)
-    again, _, again_optimizer = ft.build(config, get_backend("cpu"), "float32", 1, restored)
+    resumed, again_optimizer = build(config, restored=restored)
+    again = resumed.model
     state = ft.resume(restored, ShardedCheckpointer(again, again_optimizer, 0), str(tmp_path), 0, 1)
     assert (state["epoch"], state["attempt"], state["history"]) == (1, 2, [{"epoch": 1}])
     for (name, trained), restarted in zip(model.state_dict().items(), again.state_dict().values(), strict=True):

@@ -48,14 +48,15 @@ FORMATS = {  # name: (file, records, extra flags, the assistant answers of one r
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_each_format_trains_on_the_assistant_turns_and_their_end_of_turn(name, tiny_assets, tmp_path, gloo_rank):
-    from ray_train_llm_finetune import prepare_docs
     from recipe import IGNORE
+    from sft_data import prepare_docs
 
     file, records, flags, answers = FORMATS[name]
     data = write(tmp_path / file, records * 24)
     config = settings({"model": tiny_assets["model"], "dataset": data}, "--split", "train[:16]", "--epochs", "1",
                       "--batch-size", "2", *flags)  # fmt: skip
-    _, tokenizer, history = train(config)
+    trainee, history = train(config)
+    tokenizer = trainee.tokenizer
     assert history[0]["steps"] > 0 and 0 < history[0]["loss"] < 10 and history[0]["eval_tokens"] > 0
     train_docs, _ = prepare_docs(config, tokenizer)
     expected = [t for a in answers for t in [*tokenizer.tokenize(a), "<turn|>"]]
@@ -148,6 +149,7 @@ def test_a_gs_dataset_is_read_end_to_end_with_the_pods_credentials(
 
     import fsspec
     import ray_train_llm_finetune as ft
+    from flags import parse_args, resolve
 
     gs = fsspec.filesystem("gs")
     gs.pipe("gs://demo-data/chat/part-0.jsonl", (json.dumps(CONVERSATION) + "\n").encode() * 12)
@@ -166,7 +168,7 @@ def test_a_gs_dataset_is_read_end_to_end_with_the_pods_credentials(
     )  # fmt: skip
     assert any(r.endswith("/token") for r in metadata_server.requests[asked:])  # Workload Identity's token
     with pytest.raises(Exception, match="does not exist"):
-        ft.run(ft.resolve(ft.parse_args([*argv[:5], "gs://demo-data/chat/missing.jsonl", *argv[6:]])))
+        ft.run(resolve(parse_args([*argv[:5], "gs://demo-data/chat/missing.jsonl", *argv[6:]])))
     assert ACCESS_TOKEN.startswith("ya29.")
 
 

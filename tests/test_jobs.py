@@ -259,22 +259,22 @@ def test_finetune_bad_inputs_fail_fast(tiny_assets, tmp_path, capsys):
 def test_fsdp_shards_each_decoder_layer_and_the_root_but_not_the_frozen_table(tiny_assets, gloo_rank):
     """apply_fsdp on a one-rank gloo group: which modules are FSDP units, which parameters became
     DTensors, in which dtypes, and that gradients are summed over ranks, not averaged."""
-    import ray_train_llm_finetune as ft
+    from model import TokenLoss, apply_fsdp, freeze_per_layer_embeddings, language_model, load_model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    model = ft.load_model(tiny_assets["model"], "bfloat16")
-    table = ft.freeze_per_layer_embeddings(model)
-    ft.apply_fsdp(model, init_device_mesh("cpu", (1,)), ignored={table}, dtype="bfloat16")
-    units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    assert units == ["", "model.language_model.layers.0", "model.language_model.layers.1"]
+    model = load_model(tiny_assets["model"], "bfloat16")
+    table = freeze_per_layer_embeddings(model)
+    root = apply_fsdp(TokenLoss(model, 0), init_device_mesh("cpu", (1,)), ignored={table}, dtype="bfloat16")
+    units = [name for name, m in root.named_modules() if isinstance(m, FSDPModule)]
+    assert units == ["", "causal_lm.model.language_model.layers.0", "causal_lm.model.language_model.layers.1"]
     params = dict(model.named_parameters())
     name = "model.language_model.embed_tokens_per_layer.weight"
     assert not isinstance(params[name], DTensor) and params[name].dtype == torch.bfloat16
     assert not params[name].requires_grad
     assert all(isinstance(p, DTensor) for n, p in params.items() if n != name)
-    state = ft.language_model(model).layers[0]._get_fsdp_state()
+    state = language_model(model).layers[0]._get_fsdp_state()
     policy = state._mp_policy
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     group = state._fsdp_param_group

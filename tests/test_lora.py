@@ -12,29 +12,29 @@ import torch
 from tests.inprocess import full_state, settings, train
 
 
-def fsdp_step_run(config: dict, epochs: range, restored_from: str | None = None, save_to: str | None = None):
+def fsdp_step_run(config, epochs: range, restored_from: str | None = None, save_to: str | None = None):
     """Epochs `epochs` of the per-worker loop (optionally loading, then saving, sharded checkpoints)."""
-    import ray_train_llm_finetune as ft
-    from backend import get_backend
     from checkpoints import ShardedCheckpointer
-    from loop import Progress, train_epoch
+    from loop import Progress, TrainingData, train_epoch
 
-    torch.manual_seed(config["seed"])
-    model, tokenizer, optimizer = ft.build(config, get_backend("cpu"), "float32", 1, None)
-    checkpointer = ShardedCheckpointer(model, optimizer, 0, use_async=False)
+    from tests.inprocess import build
+
+    torch.manual_seed(config.seed)
+    trainee, optimizer = build(config)
+    checkpointer = ShardedCheckpointer(trainee.model, optimizer, 0, use_async=False)
     if restored_from:
         checkpointer.load(restored_from, same_world=True)
-    data = ft.TrainingData(config, tokenizer, 0, 1)
+    data = TrainingData(config, trainee.tokenizer, 0, 1)
     schedule = data.schedule(config)
     losses = []
     for epoch in epochs:
         data.sampler.set_epoch(epoch)
-        result = train_epoch(model, optimizer, data.loader, schedule, epoch * data.steps, config, torch.device("cpu"),
-                             Progress(10**9, schedule.total_steps, 0))  # fmt: skip
+        result = train_epoch(trainee.loss, optimizer, data.loader, schedule, epoch * data.steps, config,
+                             torch.device("cpu"), Progress(10**9, schedule.total_steps, 0))  # fmt: skip
         losses.append(result["loss"])
     if save_to:
         checkpointer.save(save_to).result()
-    return model, tokenizer, losses
+    return trainee.model, trainee.tokenizer, losses
 
 
 def adapters(state: dict) -> dict:
@@ -78,8 +78,9 @@ def test_the_merged_export_loads_without_peft_and_equals_base_plus_adapters(tiny
     config = settings(
         tiny_assets, "--lora", "--lora-rank", "2", "--epochs", "1", "--eval-split", "none", "--lr", "1e-2"
     )
-    model, tokenizer, _ = train(config)
-    export_pretrained(model, tokenizer, pyarrow.fs.LocalFileSystem(), str(tmp_path / "model"))
+    trainee, _ = train(config)
+    export_pretrained(trainee.model, trainee.tokenizer, pyarrow.fs.LocalFileSystem(), str(tmp_path / "model"),
+                      trainee.lora)  # fmt: skip
 
     peft_modules = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "peft" or k.startswith("peft.")}
     sys.modules["peft"] = None  # any attempt to import peft now fails
@@ -103,27 +104,29 @@ def test_the_merged_export_loads_without_peft_and_equals_base_plus_adapters(tiny
 def count_layer_calls(model) -> list[int]:
     """Calls of the first decoder layer's MLP. (transformers checkpoints a layer's `forward`, keeping FSDP2's
     hooks on the layer itself outside the recomputation: its children run again, not the layer's hooks.)"""
-    import ray_train_llm_finetune as ft
+    from model import language_model
 
     calls = [0]
-    ft.language_model(model).layers[0].mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    language_model(model).layers[0].mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     return calls
 
 
 def test_activation_checkpointing_recomputes_each_layer_and_keeps_the_losses(tiny_assets, gloo_rank):
-    import ray_train_llm_finetune as ft
-    from backend import get_backend
+    from loop import TrainingData
     from sft_data import model_inputs
+
+    from tests.inprocess import build
 
     losses, calls = {}, {}
     for ac in (False, True):
         config = settings(tiny_assets, "--eval-split", "none", *(["--activation-checkpointing"] if ac else []))
-        model, tokenizer, _ = ft.build(config, get_backend("cpu"), "float32", 1, None)
-        counted = count_layer_calls(model)
-        batch = next(iter(ft.TrainingData(config, tokenizer, 0, 1).loader))
-        loss = model(**model_inputs(batch, True, "cpu"))
+        trainee, _ = build(config)
+        counted = count_layer_calls(trainee.model)
+        batch = next(iter(TrainingData(config, trainee.tokenizer, 0, 1).loader))
+        loss = trainee.loss(**model_inputs(batch, True, "cpu"))
         loss.backward()
-        losses[ac] = (float(loss), {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None})
+        grads = {n: p.grad.full_tensor() for n, p in trainee.model.named_parameters() if p.grad is not None}
+        losses[ac] = (float(loss), grads)
         calls[ac] = counted[0]
     assert calls == {False: 1, True: 2}  # the backward pass ran the layer again
     assert losses[True][0] == pytest.approx(losses[False][0], rel=1e-6)
@@ -149,11 +152,12 @@ def test_a_mixture_of_experts_trains_under_fsdp_and_lora_leaves_its_experts(tiny
     from lora import trainable_and_total
 
     config = settings(tiny_moe, "--eval-split", "none", "--epochs", "2", "--lr", "1e-2")
-    model, _, history = train(config)
-    assert hasattr(model.model.language_model.layers[0], "experts")
+    trainee, history = train(config)
+    assert hasattr(trainee.model.model.language_model.layers[0], "experts")
     assert history[1]["loss"] < history[0]["loss"]
     lora = settings(tiny_moe, "--eval-split", "none", "--epochs", "1", "--lora", "--lora-rank", "2")
-    model, _, history = train(lora)
+    trainee, history = train(lora)
+    model = trainee.model
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and not any("experts" in n for n in trainable) and history[0]["loss"] > 0
     assert trainable_and_total(model)[0] < trainable_and_total(model)[1]

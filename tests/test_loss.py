@@ -82,23 +82,26 @@ def test_the_tied_head_under_fsdp_gets_the_models_own_gradients_chunked(tiny_ass
     """The model's own output embedding (tied to the input one, FSDP2's unsharded root weight), no copy:
     a packed training step, chunked, gives the loss and every gradient of the plain Hugging Face
     model's own forward (full logits, its soft-cap, its loss) on the same batch."""
-    import ray_train_llm_finetune as ft
-    from backend import get_backend
+    from loop import TrainingData
+    from model import freeze_per_layer_embeddings, language_model
     from recipe import predicted_tokens
     from sft_data import model_inputs
     from transformers import AutoModelForCausalLM
 
+    from tests.inprocess import build
+
     config = settings(tiny_assets, "--loss-chunk", "50", "--eval-split", "none")
-    model, tokenizer, _ = ft.build(config, get_backend("cpu"), "float32", 1, None)
-    head = ft.language_model(model).embed_tokens.weight
+    trainee, _ = build(config)
+    model = trainee.model
+    head = language_model(model).embed_tokens.weight
     assert model.lm_head.weight is head  # tied: one parameter, sharded once
-    batch = next(iter(ft.TrainingData(config, tokenizer, 0, 1).loader))
-    loss = model(**model_inputs(batch, True, "cpu"))
+    batch = next(iter(TrainingData(config, trainee.tokenizer, 0, 1).loader))
+    loss = trainee.loss(**model_inputs(batch, True, "cpu"))
     loss.backward()
     ours = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
 
     plain = AutoModelForCausalLM.from_pretrained(tiny_assets["model"], dtype=torch.float32)
-    ft.freeze_per_layer_embeddings(plain)  # as the fine-tune does
+    freeze_per_layer_embeddings(plain)  # as the fine-tune does
     inputs = model_inputs(batch, True, "cpu")
     reference = plain(**inputs).loss * predicted_tokens(inputs["labels"])  # its mean, as a sum
     reference.backward()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import pytest
-from memory_plan import GIB, HEADROOM, Recipe, plan, remedies, shape_of
+from memory_plan import GIB, HEADROOM, Workload, plan, remedies, shape_of
 
 from infra.models import MODELS, known_model
 from infra.tpu import GENERATIONS, TpuSlice
@@ -59,7 +59,7 @@ def test_hub_ids_find_their_row_and_nothing_else_does():
 def test_the_plan_of_e2b_on_a_v6e_slice_by_hand():
     """The walkthrough's run: E2B, 16 devices, 4 rows x 512 tokens, bf16, the default chunked loss."""
     e2b, devices, tokens = MODELS["E2B"], 16, 4 * 512
-    got = plan(e2b, Recipe(devices=devices, batch=4, seq_len=512), hbm_gib=32)
+    got = plan(e2b, Workload(devices=devices, batch=4, seq_len=512), hbm_gib=32)
     sharded = 4628569344 - 2348810240  # everything but the per-layer table
     by_hand = {
         "weights": sharded * 2 / 16,
@@ -92,7 +92,7 @@ def test_what_fits_for_every_size_on_each_walkthrough_slice(generation, name):
     tpu = TpuSlice(GENERATIONS[generation], GENERATIONS[generation].topologies[0])
     got = {}
     for recipe, (lora, ac) in {"full": (0, 0), "full+ac": (0, 1), "lora": (1, 0), "lora+ac": (1, 1)}.items():
-        p = plan(MODELS[name], Recipe(tpu.devices, 4, 512, lora=bool(lora), activation_checkpointing=bool(ac)),
+        p = plan(MODELS[name], Workload(tpu.devices, 4, 512, lora=bool(lora), activation_checkpointing=bool(ac)),
                  tpu.hbm_gib_per_device)  # fmt: skip
         got[recipe] = p.fits
         assert p.total_gib > 0 and p.parts["activations"] > 0
@@ -102,15 +102,15 @@ def test_what_fits_for_every_size_on_each_walkthrough_slice(generation, name):
 def test_the_advice_names_what_would_fit_in_order():
     v6e = GENERATIONS["v6e"]
     topologies = {t: TpuSlice(v6e, t).devices for t in v6e.topologies}
-    advice = remedies(MODELS["31B"], Recipe(16, 4, 512), 32.0, topologies)
+    advice = remedies(MODELS["31B"], Workload(16, 4, 512), 32.0, topologies)
     assert advice == [
         "activationCheckpointing: true (26.3 GiB)",
         "lora: true with activationCheckpointing: true (11.1 GiB)",
     ]
-    advice = remedies(MODELS["26B-A4B"], Recipe(16, 4, 512), 32.0, topologies)
+    advice = remedies(MODELS["26B-A4B"], Workload(16, 4, 512), 32.0, topologies)
     assert [a.split(" (")[0] for a in advice] == [
         "activationCheckpointing: true", "lora: true", "batchSize: 2", "tpuTopology: 4x8",
     ]  # fmt: skip
     # with checkpointing on and batch 16, only more devices help: the smallest topology that fits
-    advice = remedies(MODELS["31B"], Recipe(16, 16, 512, activation_checkpointing=True), 32.0, topologies)
+    advice = remedies(MODELS["31B"], Workload(16, 16, 512, activation_checkpointing=True), 32.0, topologies)
     assert advice[-1].startswith("tpuTopology: 4x8") and advice[0].startswith("lora: true")

@@ -164,9 +164,9 @@ def test_walkthrough_flags_are_accepted(monkeypatch, capsys):
          "--dataset-split", "train[:1024]", "--num-workers", "16"]
     )  # fmt: skip
     assert (args.model, args.epochs, args.batch_size, args.split) == ("google/gemma-4-E2B-it", 3, 4, "train[:1024]")
-    assert args.storage_path == "gs://b/ray_train_torchtpu" and ft.resolve(args)["packing"] is True
+    assert args.storage_path == "gs://b/ray_train_torchtpu" and ft.resolve(args).packing is True
     assert backend.resolve_num_workers("tpu", "4x4", "TPU-V6E", args.num_workers) == 16
-    assert ft.resolve(ft.parse_args(["--no-packing"]))["packing"] is False
+    assert ft.resolve(ft.parse_args(["--no-packing"])).packing is False
     monkeypatch.delenv("STORAGE_PATH")
     assert ft.parse_args([]).storage_path == os.path.expanduser("~/ray_results")
     with pytest.raises(SystemExit):
@@ -177,10 +177,12 @@ def test_walkthrough_flags_are_accepted(monkeypatch, capsys):
 
 
 def test_peak_flops_per_device_and_mfu():
+    from dataclasses import replace
+
     import ray_train_llm_finetune as ft
 
-    base = {"backend": "tpu", "peak_tflops": None, "accelerator_type": "TPU-V6E"}
+    base = ft.resolve(ft.parse_args(["--backend", "tpu", "--accelerator-type", "TPU-V6E"]))
     assert ft.peak_flops_per_device(base) == 918e12
-    assert ft.peak_flops_per_device(base | {"accelerator_type": "TPU-V7X"}) == 2307e12 / 2
-    assert ft.peak_flops_per_device(base | {"backend": "cpu"}) is None
-    assert ft.peak_flops_per_device(base | {"backend": "cpu", "peak_tflops": 2.0}) == 2e12
+    assert ft.peak_flops_per_device(replace(base, accelerator_type="TPU-V7X")) == 2307e12 / 2
+    assert ft.peak_flops_per_device(replace(base, backend="cpu")) is None
+    assert ft.peak_flops_per_device(replace(base, backend="cpu", peak_tflops=2.0)) == 2e12

@@ -4,6 +4,7 @@ the walkthrough one switch away, and bad flags failing before any worker starts.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +35,8 @@ def test_one_step_is_one_global_batch_however_the_batch_is_split(tiny_assets):
     norms = [r["history"][0]["grad_norm"] for r in (one, two, accumulated)]
     assert norms == pytest.approx([norms[0]] * 3, rel=1e-2)  # measured 1.9e-3 apart; averaged: half
     losses = [r["history"][0]["loss"] for r in (one, two, accumulated)]
-    assert losses == pytest.approx([losses[0]] * 3, rel=1e-5)
+    # fp32 sums in another order: measured 1.5e-5 apart on one machine; a per-rank mean puts them ~1e-2 apart
+    assert losses == pytest.approx([losses[0]] * 3, rel=1e-4)
     assert [r["history"][0]["steps"] for r in (one, two, accumulated)] == [8, 8, 8]
 
 
@@ -55,20 +57,19 @@ def test_the_schedule_warms_up_then_decays_to_a_tenth():
 
 def test_the_eval_loss_is_token_weighted_and_leaves_the_weights_untouched(tiny_assets, gloo_rank):
     """evaluate() against every predicted token's -log p from a plain copy of the model's own logits."""
-    from loop import evaluate
-    from ray_train_llm_finetune import TrainingData
+    from loop import TrainingData, evaluate
     from transformers import AutoModelForCausalLM
 
     from tests.inprocess import full_state
 
     config = settings(tiny_assets, "--eval-split", "train[80:96]", "--epochs", "1")
-    model, tokenizer, history = train(config)
-    rows = TrainingData(config, tokenizer, 0, 1).eval
-    before = full_state(model)
-    got = evaluate(model, rows, 3, True, 0, 1, torch.device("cpu"))  # batches of 3: the last is not full
-    after = full_state(model)
+    trainee, history = train(config)
+    rows = TrainingData(config, trainee.tokenizer, 0, 1).eval
+    before = full_state(trainee.model)
+    got = evaluate(trainee.loss, rows, 3, True, 0, 1, torch.device("cpu"))  # batches of 3: the last is not full
+    after = full_state(trainee.model)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is None for p in trainee.model.parameters())
 
     plain = AutoModelForCausalLM.from_pretrained(tiny_assets["model"], dtype=torch.float32).eval()
     plain.load_state_dict(before)
@@ -89,22 +90,22 @@ def test_the_eval_loss_is_token_weighted_and_leaves_the_weights_untouched(tiny_a
 
 
 def test_the_walkthrough_recipe_restores_every_default_and_single_flags_still_win():
-    import ray_train_llm_finetune as ft
+    from flags import parse_args, resolve
 
-    walk = ft.resolve(ft.parse_args(["--recipe", "walkthrough"]))
-    assert {k: walk[k] for k in ("packing", "sharded_checkpoints", "chat_template", "prompt_loss", "lr_schedule",
+    walk = resolve(parse_args(["--recipe", "walkthrough"]))
+    assert {k: getattr(walk, k) for k in ("packing", "sharded_checkpoints", "chat_template", "prompt_loss", "lr_schedule",
                                  "warmup_ratio", "max_grad_norm", "eval_split", "loss_chunk", "grad_accum")} == {
         "packing": False, "sharded_checkpoints": False, "chat_template": False, "prompt_loss": True,
         "lr_schedule": "constant", "warmup_ratio": 0.0, "max_grad_norm": 0.0, "eval_split": "none",
         "loss_chunk": 0, "grad_accum": 1,
     }  # fmt: skip
-    default = ft.resolve(ft.parse_args([]))
-    assert (default["packing"], default["chat_template"], default["prompt_loss"], default["lr_schedule"]) == (
+    default = resolve(parse_args([]))
+    assert (default.packing, default.chat_template, default.prompt_loss, default.lr_schedule) == (
         True, True, False, "cosine",
     )  # fmt: skip
-    assert (default["warmup_ratio"], default["max_grad_norm"], default["eval_split"]) == (0.03, 1.0, "auto")
-    mixed = ft.resolve(ft.parse_args(["--recipe", "walkthrough", "--packing", "--eval-split", "auto"]))
-    assert (mixed["packing"], mixed["eval_split"], mixed["chat_template"]) == (True, "auto", False)
+    assert (default.warmup_ratio, default.max_grad_norm, default.eval_split) == (0.03, 1.0, "auto")
+    mixed = resolve(parse_args(["--recipe", "walkthrough", "--packing", "--eval-split", "auto"]))
+    assert (mixed.packing, mixed.eval_split, mixed.chat_template) == (True, "auto", False)
 
 
 BAD_FLAGS = {
@@ -137,12 +138,12 @@ def test_bad_recipe_flags_fail_before_any_worker(case, tiny_assets, tmp_path, ca
 def test_progress_puts_tensorboard_in_the_run_storage_and_keeps_no_local_copy(gloo_rank, tmp_path):
     import pyarrow.fs
     from loop import Progress
+    from run_files import TensorBoard
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(log_dir=str(tmp_path / "local"))
-    writer.target = (pyarrow.fs.LocalFileSystem(), str(tmp_path / "run" / "tensorboard"))
-    progress = Progress(every=2, total_steps=3, rank=0, writer=writer)
+    board = TensorBoard(pyarrow.fs.LocalFileSystem(), str(tmp_path / "run" / "tensorboard"))
+    local = Path(board.writer.log_dir)
+    progress = Progress(every=2, total_steps=3, rank=0, board=board)
     for step in range(3):
         progress.step(step, {"loss_sum": 6.0 * (step + 1), "predicted": 3.0, "real": 4.0, "lr": 0.1, "grad_norm": 1})
     progress.epoch({"loss": 4.0, "eval_loss": 5.0})
@@ -150,4 +151,4 @@ def test_progress_puts_tensorboard_in_the_run_storage_and_keeps_no_local_copy(gl
     scalars = EventAccumulator(str(tmp_path / "run" / "tensorboard")).Reload()
     assert [(e.step, e.value) for e in scalars.Scalars("train/loss")] == [(2, 3.0), (3, 6.0)]  # (6 + 12) / (3 + 3)
     assert [e.value for e in scalars.Scalars("epoch/eval_loss")] == [5.0]
-    assert not (tmp_path / "local").exists()
+    assert local.exists() is False

@@ -106,8 +106,8 @@ def test_the_exported_model_stops_generating_at_the_end_of_its_turn(tiny_assets,
     data.write_text((json.dumps({"prompt": "Describe bees.", "completion": "Bees are warm and early."}) + "\n") * 8)
     config = settings({"model": tiny_assets["model"], "dataset": str(data)}, "--split", "train", "--eval-split",
                       "none", "--no-packing", "--batch-size", "4", "--epochs", "40", "--lr", "3e-3")  # fmt: skip
-    model, tokenizer, _ = train(config)
-    export_pretrained(model, tokenizer, pyarrow.fs.LocalFileSystem(), str(tmp_path / "model"))
+    trainee, _ = train(config)
+    export_pretrained(trainee.model, trainee.tokenizer, pyarrow.fs.LocalFileSystem(), str(tmp_path / "model"))
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
     exported_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")

@@ -337,9 +337,9 @@ def test_the_recipe_reaches_the_fine_tune_as_its_flags(stack, recipe):
     from ray_core_collectives import parse_args as collectives_parse_args
     from ray_train_llm_finetune import parse_args as ft_parse_args
     from ray_train_llm_finetune import resolve
+    from recipe import RECIPE_KEYS, RECIPES
 
     from infra.ray_jobs import job_specs
-    from jobs.recipe import RECIPE_KEYS, RECIPES
 
     walkthrough = recipe == "walkthrough"
     flags = {"recipe": recipe, "maxFailures": "0"} if walkthrough else {}
@@ -354,9 +354,9 @@ def test_the_recipe_reaches_the_fine_tune_as_its_flags(stack, recipe):
     collectives, finetune = job_specs(settings, training["max_failures"])
     # as the jobs' own parsers read them, after Pulumi's wire format made every number a float
     parsed = resolve(ft_parse_args(list(finetune.args)))
-    assert (parsed["epochs"], parsed["batch_size"], parsed["seq_len"], parsed["grad_accum"]) == (3, 4, 512, 1)
-    assert {k: parsed[k] for k in RECIPE_KEYS} == {k: settings[k] for k in RECIPE_KEYS}
-    assert parsed["recipe"] == recipe and parsed["max_failures"] == training["max_failures"]
+    assert (parsed.epochs, parsed.batch_size, parsed.seq_len, parsed.grad_accum) == (3, 4, 512, 1)
+    assert {k: getattr(parsed, k) for k in RECIPE_KEYS} == {k: settings[k] for k in RECIPE_KEYS}
+    assert parsed.recipe == recipe and parsed.max_failures == training["max_failures"]
     assert collectives_parse_args(list(collectives.args)).topology == settings["topology"]
     args = " ".join(finetune.args)
     if walkthrough:
@@ -446,7 +446,7 @@ def test_31b_on_v6e_is_refused_with_its_advice_then_accepted_with_activation_che
     from infra.ray_jobs import job_specs
 
     args = resolve(parse_args(list(job_specs(settings, 3)[1].args)))
-    assert (args["lora"], args["activation_checkpointing"], args["lora_rank"], args["lora_alpha"]) == (
+    assert (args.lora, args.activation_checkpointing, args.lora_rank, args.lora_alpha) == (
         True,
         True,
         16,

@@ -1,0 +1,175 @@
+"""Every change made to the model, in one place, composed by `build_model` in one order
+(torchtitan's parallelize.py):
+
+1. load, in the compute dtype, text only;
+2. freeze the per-layer embedding table (kept out of FSDP);
+3. LoRA adapters (before FSDP, as torchtune does, so each unit holds one dtype);
+4. activation checkpointing (before FSDP, so the recomputation gathers the layer again);
+5. FSDP2 over the mesh: each decoder layer a unit, then the root, `TokenLoss`, whose forward is the
+   summed token loss.
+
+`apply_tp` is here too: the collectives check's tensor-parallel parity applies it to its toy block.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from checkpoints import is_sharded
+from lora import TARGET_PATTERN
+from memory_plan import ModelShape, shape_of
+from recipe import token_loss_sum
+from render import end_of_turn_id
+
+
+def load_model(ref: str, dtype: str = "bfloat16"):
+    """In the compute dtype (so the unsharded per-layer table matches), eager attention, text only, no KV cache."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    token = os.environ.get("HF_TOKEN")
+    config = AutoConfig.from_pretrained(ref, token=token)
+    for tower in ("vision_config", "audio_config"):
+        if hasattr(config, tower):
+            setattr(config, tower, None)
+    model = AutoModelForCausalLM.from_pretrained(
+        ref, config=config, dtype=getattr(torch, dtype), attn_implementation="eager", token=token
+    )
+    model.config.use_cache = False
+    return model
+
+
+def language_model(model):
+    return getattr(model.model, "language_model", model.model)
+
+
+def freeze_per_layer_embeddings(model):
+    """The per-layer embedding table is huge and trained no further: frozen, and kept out of FSDP."""
+    table = language_model(model).embed_tokens_per_layer.weight
+    table.requires_grad_(False)
+    return table
+
+
+def apply_lora(model, rank: int, alpha: int):
+    """Inject the adapters (the base is frozen by peft); returns the peft LoraConfig (the export needs it)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGET_PATTERN, lora_dropout=0.0, bias="none")
+    inject_adapter_in_model(config, model)
+    return config
+
+
+def apply_activation_checkpointing(model) -> None:
+    """Recompute every decoder layer in the backward pass (transformers' non-reentrant checkpointing of
+    its GradientCheckpointingLayer)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+class TokenLoss(torch.nn.Module):
+    """The training forward: the sum of the model's token losses, never its logits (loss_chunk tokens of
+    logits at a time; 0: all at once). The FSDP root, so the tied head it reads is the root's unsharded
+    weight, gathered once for the step, with no copy."""
+
+    def __init__(self, causal_lm, loss_chunk: int):
+        super().__init__()
+        self.causal_lm, self.loss_chunk = causal_lm, loss_chunk
+        self.softcap = causal_lm.config.get_text_config().final_logit_softcapping
+
+    def forward(self, input_ids, labels, attention_mask=None, position_ids=None):
+        out = self.causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   use_cache=False)  # fmt: skip
+        return token_loss_sum(out.last_hidden_state, self.causal_lm.lm_head.weight, labels, self.softcap,
+                              self.loss_chunk)  # fmt: skip
+
+
+def apply_fsdp(root: TokenLoss, mesh, ignored: set, dtype: str = "bfloat16") -> TokenLoss:
+    """FSDP2: each decoder layer, then the root; params in the compute dtype, fp32 gradient reduction.
+
+    Each whole decoder layer is a unit (torchtitan's layout): only two are unsharded at a time. (The
+    walkthrough shards only the MLPs, which leaves every attention projection in the root, gathered
+    for the whole step: 15 GB of a 32 GB v6e chip for 31B.) Gradients are summed over ranks, not
+    averaged: the loss is already divided by the global count of predicted tokens (loop.train_step),
+    so an average would divide a second time.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
+    for layer in language_model(root.causal_lm).layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # SUM, which every backend has (gloo has no AVG)
+    return root
+
+
+def apply_tp(model, mesh):
+    """Megatron-style: W1 split by output columns, W2 by input rows; one all-reduce per forward."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    return parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+
+
+def stop_at_end_of_turn(model, tokenizer) -> None:
+    """generate() stops at the chat template's end-of-turn token as well as at EOS."""
+    end = end_of_turn_id(tokenizer)
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if end is not None and end not in eos:
+        model.generation_config.eos_token_id = [*eos, end]
+
+
+@dataclass
+class Trainee:
+    """What `build_model` makes: `loss` is what the loop calls (the FSDP root); `model` the Hugging Face
+    model inside it (checkpoints and the export read it); `lora` the adapters' config, if any; `shape`
+    the model before LoRA, for the memory plan."""
+
+    loss: TokenLoss
+    model: object
+    tokenizer: object
+    lora: object | None
+    shape: ModelShape
+
+
+def load_model_and_tokenizer(settings, dtype: str, restored):
+    """Weights from --model, or from a walkthrough-style (full) checkpoint being resumed; a sharded
+    checkpoint is loaded on top afterwards (checkpoints.ShardedCheckpointer)."""
+    from transformers import AutoTokenizer
+
+    full = restored is not None and not is_sharded(restored)
+    with restored.as_directory() if full else nullcontext(None) as restored_dir:
+        source = restored_dir or settings.model
+        tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer or source, token=os.environ.get("HF_TOKEN"))
+        model = load_model(source, dtype)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def build_model(settings, backend, dtype: str, world: int, restored) -> Trainee:
+    """The model as it trains, every change in this module's order, over all ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, tokenizer = load_model_and_tokenizer(settings, dtype, restored)
+    if settings.chat_template:
+        stop_at_end_of_turn(model, tokenizer)
+    frozen = freeze_per_layer_embeddings(model)
+    shape = shape_of(model)  # before LoRA: the plan adds the adapters itself
+    lora = apply_lora(model, settings.lora_rank, settings.lora_alpha) if settings.lora else None
+    if settings.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    model.to(backend.device())
+    mesh = init_device_mesh(backend.device_type, (world,))
+    root = apply_fsdp(TokenLoss(model, settings.loss_chunk), mesh, ignored={frozen}, dtype=dtype)
+    root.train()  # (from_pretrained gives eval mode, where transformers skips activation checkpointing)
+    return Trainee(root, model, tokenizer, lora, shape)
+
+
+def adamw(trainee: Trainee, settings) -> torch.optim.Optimizer:
+    """AdamW over what is trainable (everything but the per-layer table, or LoRA's adapters)."""
+    trainable = [p for p in trainee.model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
