@@ -11,30 +11,50 @@ import pulumi
 
 from infra import config
 from infra.apis import ProjectApis
-from infra.cluster import GkeCluster
+from infra.cluster import ClusterArgs, GkeCluster, TpuPoolArgs
 from infra.dataset import DatasetFile
 from infra.kube import KubernetesAccess
 from infra.models import memory_plan_output
 from infra.prices import cost_estimate, run_cost
-from infra.raycluster import RayCluster, dashboard_command
+from infra.raycluster import RayCluster, RayClusterArgs, dashboard_command
 from infra.registry import ImageRegistry
 from infra.storage import CheckpointBucket
-from infra.training import TrainingJobs, gke_target, local_target
+from infra.training import TrainingJobs, gke_target, local_target, training_props
 
 cfg, hf_token = config.load()
 
 if cfg.local:
-    training = TrainingJobs("training", cfg, local_target(cfg.ray_address), cluster="local", image="local")
+    training = TrainingJobs("training", training_props(cfg, local_target(cfg.ray_address), "local", "local"))
 else:
     after_apis = pulumi.ResourceOptions(depends_on=ProjectApis("apis", cfg.project).services)
-    gke = GkeCluster(cfg.cluster_name, cfg, opts=after_apis)
-    bucket = CheckpointBucket("checkpoints", cfg, opts=pulumi.ResourceOptions(depends_on=[gke.cluster]))
-    uploads = [DatasetFile("dataset", cfg, bucket.name).object] if cfg.job.dataset_file else []
-    registry = ImageRegistry("registry", cfg, opts=after_apis)
+    cluster = ClusterArgs(
+        name=cfg.cluster_name,
+        project=cfg.project,
+        location=cfg.location,
+        version=cfg.cluster_version,
+        deletion_protection=cfg.deletion_protection,
+        autopilot=cfg.autopilot,
+        head_machine_type=cfg.head_machine_type,
+        scale_to_zero=cfg.capacity.scale_to_zero,
+    )
+    pool = None if cfg.autopilot else TpuPoolArgs(cfg.project, cfg.zone, cfg.region, cfg.slice, cfg.capacity)
+    gke = GkeCluster(cfg.cluster_name, cluster, pool, opts=after_apis)
+    bucket = CheckpointBucket(
+        "checkpoints",
+        bucket_name=cfg.bucket_name,
+        project=cfg.project,
+        region=cfg.region,
+        force_destroy=cfg.bucket_force_destroy,
+        namespace=cfg.namespace,
+        service_account=cfg.service_account,
+        opts=pulumi.ResourceOptions(depends_on=[gke.cluster]),
+    )
+    uploads = [DatasetFile("dataset", cfg.job.dataset_file, bucket.name).object] if cfg.job.dataset_file else []
+    registry = ImageRegistry("registry", project=cfg.project, region=cfg.region, repository=cfg.repository,
+                             image_name=cfg.image_name, opts=after_apis)  # fmt: skip
     kube = KubernetesAccess("gke", gke.name, gke.endpoint, gke.ca_certificate)
     ray = RayCluster(
-        cfg.ray_cluster_name,
-        cfg,
+        RayClusterArgs(cfg.ray_cluster_name, cfg.namespace, cfg.slice, cfg.capacity, cfg.autopilot),
         image=registry.image,
         hf_token=hf_token,
         provider=kube.provider,
@@ -42,12 +62,10 @@ else:
         ca_certificate=gke.ca_certificate,
         depends_on=[bucket.member, *([gke.tpu_pool] if gke.tpu_pool else [])],
     )
+    target = gke_target(cfg.namespace, cfg.ray_cluster_name, gke.endpoint, gke.ca_certificate)
     training = TrainingJobs(
         "training",
-        cfg,
-        gke_target(cfg, gke.endpoint, gke.ca_certificate),
-        cluster=gke.name,
-        image=registry.image,
+        training_props(cfg, target, gke.name, registry.image),
         opts=pulumi.ResourceOptions(depends_on=[ray, *uploads]),
     )
     pulumi.export("clusterName", gke.name)
@@ -55,7 +73,7 @@ else:
     pulumi.export("bucket", bucket.url)
     pulumi.export("image", registry.image)
     pulumi.export("rayClusterName", ray.name)
-    pulumi.export("dashboard", dashboard_command(cfg))
+    pulumi.export("dashboard", dashboard_command(cfg.namespace, cfg.ray_cluster_name))
 
 pulumi.export("memoryPlan", memory_plan_output(cfg.job, None if cfg.local else cfg.slice))
 pulumi.export("costEstimate", cost_estimate(cfg))

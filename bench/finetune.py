@@ -97,7 +97,7 @@ def real_share(assets: dict[str, str], seq_len: int) -> float:
 
 
 def run_recipe(head, assets: dict[str, str], args: argparse.Namespace, name: str, flags: tuple[str, ...]) -> dict:
-    from infra.ray_jobs import parse_result
+    from infra.runner.ray_jobs import parse_result
 
     argv = [
         "--backend", "cpu", "--num-workers", str(args.workers), "--model", assets["model"],
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None, head=None) -> dict:
     """Runs the bench and prints its tables; `head` is a running LocalRayHead to use instead of a new one."""
     from contextlib import nullcontext
 
-    from infra.local_ray import LocalRayHead
+    from infra.runner.local_ray import LocalRayHead
 
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

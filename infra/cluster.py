@@ -2,13 +2,39 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pulumi
 import pulumi_gcp as gcp
 
 from infra import PROJECT
-from infra.config import StackConfig, flex_start_run_minutes
+from infra.capacity import SliceCapacity
+from infra.tpu import TpuSlice
 
 TPU_POOL_NAME = "tpu-multi-host-pool"
+
+
+@dataclass(frozen=True)
+class ClusterArgs:
+    name: str
+    project: str
+    location: str  # a zone in Standard mode, a region in Autopilot
+    version: str
+    deletion_protection: bool
+    autopilot: bool
+    head_machine_type: str  # Standard: the CPU node that hosts the Ray head
+    scale_to_zero: bool
+
+
+@dataclass(frozen=True)
+class TpuPoolArgs:
+    """Standard mode's TPU slice node pool (Autopilot has none: its pods ask for TPUs)."""
+
+    project: str
+    zone: str
+    region: str
+    tpu: TpuSlice
+    capacity: SliceCapacity
 
 
 def ray_addon() -> gcp.container.ClusterAddonsConfigArgs:
@@ -24,127 +50,129 @@ def ray_addon() -> gcp.container.ClusterAddonsConfigArgs:
     )
 
 
-def cluster_args(cfg: StackConfig) -> dict:
+def cluster_args(cluster: ClusterArgs) -> dict:
     """Inputs of the container.Cluster for the chosen mode."""
     common = {
-        "name": cfg.cluster_name,
-        "project": cfg.project,
-        "location": cfg.location,
-        "min_master_version": cfg.cluster_version,
-        "deletion_protection": cfg.deletion_protection,
+        "name": cluster.name,
+        "project": cluster.project,
+        "location": cluster.location,
+        "min_master_version": cluster.version,
+        "deletion_protection": cluster.deletion_protection,
         "addons_config": ray_addon(),
     }
-    if cfg.autopilot:
+    if cluster.autopilot:
         # Autopilot brings Workload Identity, Dataplane V2 and image streaming itself.
         return common | {"enable_autopilot": True}
     standard = {
         "initial_node_count": 1,
         "node_config": {
-            "machine_type": cfg.head_machine_type,
+            "machine_type": cluster.head_machine_type,
             "gcfs_config": {"enabled": True},
             "workload_metadata_config": {"mode": "GKE_METADATA"},
         },
         "datapath_provider": "ADVANCED_DATAPATH",
-        "workload_identity_config": {"workload_pool": f"{cfg.project}.svc.id.goog"},
+        "workload_identity_config": {"workload_pool": f"{cluster.project}.svc.id.goog"},
     }
-    if cfg.scale_to_zero:
+    if cluster.scale_to_zero:
         # The autoscaler profile that removes idle nodes sooner; `enabled` is node auto-provisioning, off.
         standard["cluster_autoscaling"] = {"enabled": False, "autoscaling_profile": "OPTIMIZE_UTILIZATION"}
     return common | standard
 
 
-def workload_policy_args(cfg: StackConfig) -> dict:
+def workload_policy_args(cluster_name: str, pool: TpuPoolArgs) -> dict:
     return {
-        "name": f"{cfg.cluster_name}-placement",
-        "project": cfg.project,
-        "region": cfg.region,
-        "workload_policy": {"type": "HIGH_THROUGHPUT", "accelerator_topology": cfg.slice.topology},
+        "name": f"{cluster_name}-placement",
+        "project": pool.project,
+        "region": pool.region,
+        "workload_policy": {"type": "HIGH_THROUGHPUT", "accelerator_topology": pool.tpu.topology},
     }
 
 
-def tpu_node_config(cfg: StackConfig) -> dict:
+def tpu_node_config(pool: TpuPoolArgs) -> dict:
     node = {
-        "machine_type": cfg.slice.generation.machine_type,
+        "machine_type": pool.tpu.generation.machine_type,
         "workload_metadata_config": {"mode": "GKE_METADATA"},
         "gcfs_config": {"enabled": True},
     }
-    if cfg.spot:
+    capacity = pool.capacity
+    if capacity.spot:
         node["spot"] = True
-    if cfg.capacity == "flexStart":
+    if capacity.flex_start:
         # Dynamic Workload Scheduler: GKE gets the capacity when the slice is asked for, and the nodes
         # run at most this long (provisioning, then the collectives check and the fine-tune).
-        minutes = flex_start_run_minutes(cfg.job.timeout_minutes, cfg.slice_ready_timeout_minutes)
-        node |= {"flex_start": True, "max_run_duration": f"{minutes * 60}s"}
-    if cfg.reservation:
+        node |= {"flex_start": True, "max_run_duration": f"{capacity.run_minutes * 60}s"}
+    if capacity.reservation:
         node["reservation_affinity"] = {
             "consume_reservation_type": "SPECIFIC_RESERVATION",
             "key": "compute.googleapis.com/reservation-name",
-            "values": [cfg.reservation],
+            "values": [capacity.reservation],
         }
     return node
 
 
-def tpu_pool_args(cfg: StackConfig, cluster_name: pulumi.Input[str], policy_name: pulumi.Input[str] | None) -> dict:
-    placement = {"type": cfg.slice.generation.placement_type, "tpu_topology": cfg.slice.topology}
-    if cfg.slice.generation.uses_workload_policy:
+def tpu_pool_args(pool: TpuPoolArgs, cluster_name: pulumi.Input[str], policy_name: pulumi.Input[str] | None) -> dict:
+    placement = {"type": pool.tpu.generation.placement_type, "tpu_topology": pool.tpu.topology}
+    if pool.tpu.generation.uses_workload_policy:
         placement["policy_name"] = policy_name
     args = {
         "name": TPU_POOL_NAME,
-        "project": cfg.project,
+        "project": pool.project,
         "cluster": cluster_name,
-        "location": cfg.location,
-        **pool_size(cfg),
-        "node_config": tpu_node_config(cfg),
+        "location": pool.zone,
+        **pool_size(pool),
+        "node_config": tpu_node_config(pool),
         "placement_policy": placement,
     }
-    if cfg.capacity == "flexStart":
+    if pool.capacity.flex_start:
         # flex-start nodes are not repaired, GKE refuses auto-repair on their pools (cluster-toolkit's
         # tpu7x flex-start blueprint sets it off too); a node that fails is replaced by the next scale-up
         args["management"] = {"auto_repair": False, "auto_upgrade": True}
     return args
 
 
-def pool_size(cfg: StackConfig) -> dict:
+def pool_size(pool: TpuPoolArgs) -> dict:
     """A fixed slice (the walkthrough), or one that autoscales between none and one whole slice.
 
     Autoscaled: created empty, per-zone min/max (GKE rejects a multi-host TPU pool given only
     the total_* fields: "Maximum node count 0 is not a valid size of TPU pod slice",
     vllm-project/ci-infra), and the one zone; GKE adds or removes the slice's hosts together.
     """
-    if not cfg.scale_to_zero:
-        return {"node_count": cfg.slice.hosts}
+    if not pool.capacity.scale_to_zero:
+        return {"node_count": pool.tpu.hosts}
     return {
         "initial_node_count": 0,
-        "autoscaling": {"min_node_count": 0, "max_node_count": cfg.slice.hosts, "location_policy": "ANY"},
-        "node_locations": [cfg.zone],
+        "autoscaling": {"min_node_count": 0, "max_node_count": pool.tpu.hosts, "location_policy": "ANY"},
+        "node_locations": [pool.zone],
     }
 
 
 class GkeCluster(pulumi.ComponentResource):
     """The cluster; in Standard mode also the TPU slice node pool (and Ironwood's workload policy)."""
 
-    def __init__(self, name: str, cfg: StackConfig, opts: pulumi.ResourceOptions | None = None):
+    def __init__(
+        self, name: str, cluster: ClusterArgs, pool: TpuPoolArgs | None, opts: pulumi.ResourceOptions | None = None
+    ):
         super().__init__(f"{PROJECT}:infra:GkeCluster", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         self.cluster = gcp.container.Cluster(
             name,
-            **cluster_args(cfg),
+            **cluster_args(cluster),
             opts=child.merge(pulumi.ResourceOptions(custom_timeouts=pulumi.CustomTimeouts(create="45m"))),
         )
         self.tpu_pool = None
-        if not cfg.autopilot:
+        if pool is not None:
             policy_name = None
-            if cfg.slice.generation.uses_workload_policy:
-                policy = gcp.compute.ResourcePolicy(f"{name}-workload-policy", **workload_policy_args(cfg), opts=child)
-                policy_name = policy.name
+            if pool.tpu.generation.uses_workload_policy:
+                policy_args = workload_policy_args(cluster.name, pool)
+                policy_name = gcp.compute.ResourcePolicy(f"{name}-workload-policy", **policy_args, opts=child).name
             self.tpu_pool = gcp.container.NodePool(
                 f"{name}-tpu",
-                **tpu_pool_args(cfg, self.cluster.name, policy_name),
+                **tpu_pool_args(pool, self.cluster.name, policy_name),
                 opts=child.merge(
                     pulumi.ResourceOptions(
                         custom_timeouts=pulumi.CustomTimeouts(create="60m"),
                         # the autoscaler owns the node count; Pulumi must not set it back
-                        ignore_changes=["nodeCount"] if cfg.scale_to_zero else None,
+                        ignore_changes=["nodeCount"] if pool.capacity.scale_to_zero else None,
                     )
                 ),
             )

@@ -20,10 +20,18 @@ import yaml
 from data_formats import COLUMNS, DEFAULT_DATASET, LOCAL_DATA, OVERLONG
 from recipe import RECIPES, SCHEDULES, Recipe, with_recipe
 
-from infra import PROJECT, PULUMI_YAML
+from infra import PROJECT, PULUMI_YAML, ROOT
+from infra.capacity import (
+    CAPACITIES,
+    FLEX_START_MAX_RUN_MINUTES,
+    FLEX_START_MIN_GKE,
+    RESERVATION,
+    SliceCapacity,
+    flex_start_run_minutes,
+)
+from infra.splits import absolute_slice, is_split
 from infra.tpu import GENERATIONS, TpuSlice, is_topology
 
-ROOT = PULUMI_YAML.parent
 MODES = ("standard", "autopilot", "local")
 GKE_MODES = ("standard", "autopilot")
 
@@ -33,9 +41,6 @@ _BUCKET = re.compile(r"^[a-z0-9][-a-z0-9_.]{1,61}[a-z0-9]$")
 _REGION = re.compile(r"^[a-z]+-[a-z]+[0-9]+$")
 _ZONE = re.compile(r"^([a-z]+-[a-z]+[0-9]+)-[a-z]$")
 _VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+)-gke\.(\d+))?$")
-_RESERVATION = re.compile(
-    r"^(?:projects/([a-z][-a-z0-9]{4,28}[a-z0-9])/reservations/)?([a-z]([-a-z0-9]{0,61}[a-z0-9])?)$"
-)
 # GCE machine types: family-kind-size words (n2-standard-8, c3-highmem-4-lssd, n1-custom-4-8192).
 _MACHINE_TYPE = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+){1,4}$")
 # A hub id (org/name, as the Hugging Face hub spells them) or a path: no whitespace, control
@@ -44,11 +49,6 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?
 _PATH = re.compile(r"^(~|\.{1,2})?/?[A-Za-z0-9._+@=,-]+(/[A-Za-z0-9._+@=,-]+)*/?$")
 # Data may also be gs:// objects, and files or objects named by a glob.
 _DATA_PATH = re.compile(r"^((~|\.{1,2})?/?|gs://)[A-Za-z0-9._+@=,*?-]+(/[A-Za-z0-9._+@=,*?\[\]-]+)*/?$")
-# The `datasets` split grammar: train, train[:1024], train[10%:], train+test (each part sliced or not).
-_SPLIT_PART = r"[A-Za-z0-9_]+(\[(-?\d+%?)?:(-?\d+%?)?\])?"
-_SPLIT = re.compile(rf"^{_SPLIT_PART}(\+{_SPLIT_PART})*$")
-# A slice of absolute record numbers (no %, no negatives): what can be checked for overlap at preview.
-_ABSOLUTE_PART = re.compile(r"^([A-Za-z0-9_]+)(?:\[(\d*):(\d*)\])?$")
 # --columns: NEW=OLD pairs onto the record formats' column names
 _COLUMN_PAIR = rf"({'|'.join(COLUMNS)})=[^\s,=]+"
 _COLUMNS = re.compile(rf"^{_COLUMN_PAIR}(,{_COLUMN_PAIR})*$")
@@ -114,11 +114,8 @@ class StackConfig:
     zone: str | None
     mode: str
     slice: TpuSlice
-    capacity: str  # onDemand, spot, flexStart or reservation
-    spot: bool
-    reservation: str
+    capacity: SliceCapacity  # where the slice's TPUs come from, and whether it scales to zero
     price_per_chip_hour: float | None  # a negotiated price, over the prices table
-    scale_to_zero: bool  # the TPU worker group (and node pool) at 0 except while jobs run
     slice_ready_timeout_minutes: int
     cluster_name: str
     cluster_version: str
@@ -146,14 +143,6 @@ class StackConfig:
     def location(self) -> str:
         """Where the cluster lives: a region for Autopilot, a zone for Standard."""
         return self.region if self.autopilot else self.zone  # type: ignore[return-value]
-
-    @property
-    def reservation_project(self) -> str | None:
-        return _RESERVATION.fullmatch(self.reservation).group(1) if self.reservation else None
-
-    @property
-    def reservation_name(self) -> str | None:
-        return _RESERVATION.fullmatch(self.reservation).group(2) if self.reservation else None
 
 
 @cache
@@ -194,10 +183,6 @@ def is_model_ref(text: str) -> bool:
 def is_data_ref(text: str) -> bool:
     """A hub id, a path or glob, or a gs:// object or glob."""
     return bool(_HUB_ID.fullmatch(text) or _DATA_PATH.fullmatch(text))
-
-
-def is_split(text: str) -> bool:
-    return bool(_SPLIT.fullmatch(text))
 
 
 def is_http_url(text: str) -> bool:
@@ -313,24 +298,16 @@ def _place(r: _Reader, mode: str, project: str | None, region: str | None, zone:
     return region
 
 
-CAPACITIES = ("onDemand", "spot", "flexStart", "reservation")
-# GKE "About flex-start" (cloud.google.com/kubernetes-engine/docs/concepts/dws, 2026): TPUs need
-# 1.33.0-gke.1712000 or later; v6e is offered in asia-northeast1-b, us-east5-a and us-east5-b; a
-# flex-start VM runs at most 7 days.
-FLEX_START_MIN_GKE = "1.33.0-gke.1712000"
-FLEX_START_MAX_RUN_MINUTES = 7 * 24 * 60
-
-
-def _capacity(r: _Reader, mode: str) -> tuple[str, bool, str]:
-    """capacity, with the older `spot` and `reservation` keys mapped onto it; returns (capacity, spot, reservation)."""
+def _capacity(r: _Reader, mode: str) -> tuple[str, str]:
+    """capacity, with the older `spot` and `reservation` keys mapped onto it; returns (capacity, reservation)."""
     spot = r.boolean("spot")
     reservation = r.value("reservation")
     given = r.given("capacity")
-    if reservation and not _RESERVATION.fullmatch(reservation):
+    if reservation and not RESERVATION.fullmatch(reservation):
         r.problem(f"{key('reservation')}: {reservation!r} must be NAME or projects/PROJECT/reservations/NAME")
     if given is not None and given not in CAPACITIES:
         r.problem(f"{key('capacity')}: {given!r} is not a capacity kind; allowed: {', '.join(CAPACITIES)}")
-        return "onDemand", spot, reservation
+        return "onDemand", reservation
     implied = "spot" if spot else "reservation" if reservation else None
     if mode == "local" and (spot or reservation or given not in (None, "onDemand")):
         r.problem(
@@ -348,7 +325,7 @@ def _capacity(r: _Reader, mode: str) -> tuple[str, bool, str]:
             f"{key('capacity')}: 'reservation' needs {key('reservation')}: NAME or projects/PROJECT/reservations/NAME"
         )
     capacity = given or implied or "onDemand"
-    return capacity, capacity == "spot", reservation
+    return capacity, reservation
 
 
 def _flex_start(
@@ -370,11 +347,6 @@ def _flex_start(
             f"{key('jobTimeoutMinutes')}: {job_timeout} is too long for flex-start, whose nodes run at most 7 days "
             f"(the slice must outlive the data check, the collectives check and the fine-tune, each up to jobTimeoutMinutes)"
         )
-
-
-def flex_start_run_minutes(job_timeout: int, ready_timeout: int) -> int:
-    """How long a flex-start slice may run: provisioning, then the collectives check and the fine-tune."""
-    return ready_timeout + 2 * job_timeout
 
 
 def _price(r: _Reader) -> float | None:
@@ -563,15 +535,6 @@ def _recipe_keys(r: _Reader, recipe: str, split: str) -> Recipe:
     return Recipe(**values)
 
 
-def absolute_slice(part: str) -> tuple[str, int, float] | None:
-    """(split, first record, end) of one split part with absolute bounds: train -> (train, 0, inf),
-    train[:1024] -> (train, 0, 1024); None for percentages, negative bounds or a sum (train+test)."""
-    m = _ABSOLUTE_PART.fullmatch(part)
-    if not m:
-        return None
-    return m.group(1), int(m.group(2) or 0), int(m.group(3)) if m.group(3) else math.inf
-
-
 def _eval_split(r: _Reader, eval_split: str, split: str) -> None:
     """The held-out split: auto, none or a split expression that never overlaps the training one.
     Checked here where the numbers are absolute; the job checks the rest against the data itself."""
@@ -635,11 +598,43 @@ def parse(
     region = _place(r, mode, project, region, zone)
     if not has_token and not local:
         r.problem(f"{key('hfToken')}: not set; run: pulumi config set --secret hfToken hf_...")
-    capacity, spot, reservation = _capacity(r, mode)
-    scale_to_zero = _scale_to_zero(r, reservation)
+    kind, reservation = _capacity(r, mode)
+    scale_to_zero = _scale_to_zero(r, reservation) and not local
     slice_ready_timeout = r.positive("sliceReadyTimeoutMinutes")
     version = _cluster_version(r, mode, tpu_slice)
-    names = {
+    names = _names(r)
+    bucket = _bucket(r, stack, project, local)
+    job = _job(r, local)
+    _flex_start(r, kind, scale_to_zero, version, job.timeout_minutes, slice_ready_timeout)
+    run_minutes = flex_start_run_minutes(job.timeout_minutes, slice_ready_timeout)
+    price = _price(r)
+    if tpu_slice is not None and mode in GKE_MODES and not r.problems:
+        _memory(r, tpu_slice, job)
+    switches = {"deletion_protection": r.boolean("deletionProtection"),
+                "bucket_force_destroy": r.boolean("bucketForceDestroy")}  # fmt: skip
+    if r.problems:
+        raise ConfigError(r.problems)
+    return StackConfig(
+        stack=stack,
+        project=project,
+        region=region,
+        zone=zone if mode == "standard" else None,
+        mode=mode,
+        slice=tpu_slice,
+        capacity=SliceCapacity(kind, reservation, scale_to_zero, run_minutes),
+        price_per_chip_hour=price,
+        slice_ready_timeout_minutes=slice_ready_timeout,
+        cluster_version=version,
+        bucket_name=bucket,
+        job=job,
+        ray_address=r.value("rayAddress"),
+        **names,
+        **switches,
+    )
+
+
+def _names(r: _Reader) -> dict[str, str]:
+    return {
         "cluster_name": r.name("clusterName", _DNS_1035, 40, "a GKE cluster name (lowercase letters, digits, '-')"),
         "ray_cluster_name": r.name(
             "rayClusterName", _DNS_1035, 53, "a DNS-1035 label (the TPU webhook builds hostnames from it)"
@@ -650,37 +645,6 @@ def parse(
         "image_name": r.name("imageName", _DNS_1123, 128, "an image name"),
         "head_machine_type": r.name("headMachineType", _MACHINE_TYPE, 63, "a GCE machine type such as n2-standard-8"),
     }
-    bucket = _bucket(r, stack, project, local)
-    job = _job(r, local)
-    _flex_start(r, capacity, scale_to_zero, version, job.timeout_minutes, slice_ready_timeout)
-    price = _price(r)
-    if tpu_slice is not None and mode in GKE_MODES and not r.problems:
-        _memory(r, tpu_slice, job)
-    deletion_protection = r.boolean("deletionProtection")
-    force_destroy = r.boolean("bucketForceDestroy")
-    if r.problems:
-        raise ConfigError(r.problems)
-    return StackConfig(
-        stack=stack,
-        project=project,
-        region=region,
-        zone=zone if mode == "standard" else None,
-        mode=mode,
-        slice=tpu_slice,
-        capacity=capacity,
-        spot=spot,
-        reservation=reservation,
-        price_per_chip_hour=price,
-        scale_to_zero=scale_to_zero and mode != "local",
-        slice_ready_timeout_minutes=slice_ready_timeout,
-        cluster_version=version,
-        deletion_protection=deletion_protection,
-        bucket_name=bucket,
-        bucket_force_destroy=force_destroy,
-        job=job,
-        ray_address=r.value("rayAddress"),
-        **names,
-    )
 
 
 def load() -> tuple[StackConfig, object]:

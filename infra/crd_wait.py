@@ -12,7 +12,7 @@ import time
 import pulumi
 import pulumi.dynamic as dynamic
 
-from infra import kube_api
+from infra.runner import kube_api
 
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
 

@@ -13,7 +13,6 @@ import pulumi
 import pulumi_gcp as gcp
 
 from infra import PROJECT
-from infra.config import StackConfig
 
 DATASETS_PREFIX = "datasets"
 
@@ -25,27 +24,26 @@ def object_name(path: str) -> str:
     return f"{DATASETS_PREFIX}/{file.stem}-{digest}{file.suffix}"
 
 
-def dataset_ref(cfg: StackConfig) -> str:
-    """What the fine-tune reads: the uploaded object on GKE, the file itself in local mode."""
-    if not cfg.job.dataset_file:
-        return cfg.job.dataset
-    if cfg.local:
-        return cfg.job.dataset_file
-    return f"gs://{cfg.bucket_name}/{object_name(cfg.job.dataset_file)}"
+def dataset_ref(dataset: str, dataset_file: str, bucket_name: str | None) -> str:
+    """What the fine-tune reads: `dataset`, or `dataset_file` uploaded to `bucket_name` (None: read in
+    place, as local mode does)."""
+    if not dataset_file:
+        return dataset
+    if bucket_name is None:
+        return dataset_file
+    return f"gs://{bucket_name}/{object_name(dataset_file)}"
 
 
 class DatasetFile(pulumi.ComponentResource):
     """datasetFile, as an object in the checkpoint bucket (the pods already read and write there)."""
 
-    def __init__(
-        self, name: str, cfg: StackConfig, bucket: pulumi.Input[str], opts: pulumi.ResourceOptions | None = None
-    ):
+    def __init__(self, name: str, path: str, bucket: pulumi.Input[str], opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{PROJECT}:infra:DatasetFile", name, None, opts)
         self.object = gcp.storage.BucketObject(
             name,
             bucket=bucket,
-            name=object_name(cfg.job.dataset_file),
-            source=pulumi.FileAsset(cfg.job.dataset_file),
+            name=object_name(path),
+            source=pulumi.FileAsset(path),
             opts=pulumi.ResourceOptions(parent=self),
         )
         self.uri = pulumi.Output.concat("gs://", self.object.bucket, "/", self.object.name)

@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
 import yaml
 
-from infra import PROJECT, config
-from infra.local_ray import LocalRayHead
+from infra import PROJECT, ROOT, config
 from infra.prices import cost_estimate, estimate_line
+from infra.runner.local_ray import LocalRayHead
 from infra.training import _TrainingJobsProvider, local_target, training_props
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def local_config(stack: str = "local", **overrides: str) -> config.StackConfig:
@@ -67,8 +64,7 @@ def main() -> None:
     started = time.monotonic()
     cfg = local_config()
     print(local_cost_line(cfg), flush=True)
-    sys.path.insert(0, str(ROOT / "jobs"))
-    from tiny_assets import make_all
+    from tiny_assets import make_all  # (a job module: infra puts jobs/ on the path)
 
     assets = make_all(Path(cfg.job.model).parent)
     if (assets["model"], assets["dataset"]) != (cfg.job.model, cfg.job.dataset):

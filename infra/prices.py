@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from data_formats import EVAL_SHARE
 
-from infra.config import StackConfig, absolute_slice
 from infra.models import known_model
+from infra.splits import absolute_slice
+
+if TYPE_CHECKING:  # the estimate reads the stack's config; the facts it needs are in their own tables
+    from infra.config import StackConfig
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,7 @@ WALKTHROUGH_EXTRA_MINUTES = (15.0, 30.0)  # an always-on slice: pool creation to
 def price_of(cfg: StackConfig) -> Price | None:
     if cfg.price_per_chip_hour is not None:
         return Price(cfg.price_per_chip_hour, "pricePerChipHour (stack config)", "")
-    return PRICES.get((cfg.slice.generation.name, cfg.capacity))
+    return PRICES.get((cfg.slice.generation.name, cfg.capacity.kind))
 
 
 def training_records(split: str) -> int | None:
@@ -92,11 +96,11 @@ def cost_estimate(cfg: StackConfig) -> dict:
     if cfg.local:
         return {"estimate": True, "usd_per_hour": None, "note": "mode local runs no TPU slice"}
     price, chips = price_of(cfg), cfg.slice.chips
-    out = {"estimate": True, "slice": f"{cfg.slice.generation.name} {cfg.slice.topology}", "capacity": cfg.capacity,
+    out = {"estimate": True, "slice": f"{cfg.slice.generation.name} {cfg.slice.topology}", "capacity": cfg.capacity.kind,
            "chips": chips}  # fmt: skip
     if price is None:
         return out | {"usd_per_hour": None, "note": f"no public price for {cfg.slice.generation.name} "
-                      f"{cfg.capacity}: set pricePerChipHour to yours"}  # fmt: skip
+                      f"{cfg.capacity.kind}: set pricePerChipHour to yours"}  # fmt: skip
     out |= {"usd_per_chip_hour": price.usd_per_chip_hour, "price_source": price.source, "price_read": price.read,
             "usd_per_hour": round(chips * price.usd_per_chip_hour, 2)}  # fmt: skip
     minutes = training_minutes(cfg)
@@ -108,7 +112,7 @@ def cost_estimate(cfg: StackConfig) -> dict:
     def usd(h: list[float]) -> list[float]:
         return [round(x * chips * price.usd_per_chip_hour, 2) for x in h]
 
-    if not cfg.scale_to_zero:  # the walkthrough's layout: the slice is there from pool creation to destroy
+    if not cfg.capacity.scale_to_zero:  # the walkthrough's layout: the slice is there from pool creation to destroy
         hours = walkthrough
         out["note"] = (
             "scaleToZero: false keeps the slice from pool creation until destroy: usd assumes a destroy right after the run"
@@ -148,10 +152,10 @@ def run_cost(slice_host_hours: float, run_hours: float, cfg: StackConfig) -> dic
     beside the walkthrough's always-on slice for at least the same wall time."""
     price = None if cfg.local else price_of(cfg)
     always_on = run_hours * cfg.slice.chips
-    chip_hours = slice_host_hours * cfg.slice.generation.chips_per_host if cfg.scale_to_zero else always_on
+    chip_hours = slice_host_hours * cfg.slice.generation.chips_per_host if cfg.capacity.scale_to_zero else always_on
     out = {"slice_host_hours": slice_host_hours, "chip_hours": round(chip_hours, 4),
            "walkthrough_chip_hours_at_least": round(always_on, 4)}  # fmt: skip
-    if not cfg.local and not cfg.scale_to_zero:
+    if not cfg.local and not cfg.capacity.scale_to_zero:
         out["note"] = "scaleToZero: false: the run's wall time only; the slice bills from pool creation until destroy"
     if price is None:
         return out | {"usd": None, "note": "no TPU slice" if cfg.local else "no public price: set pricePerChipHour"}

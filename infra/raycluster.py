@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pulumi
 import pulumi_kubernetes as k8s
 
 from infra import PROJECT
-from infra.config import StackConfig
+from infra.capacity import SliceCapacity
 from infra.crd_wait import CrdEstablished
+from infra.tpu import TpuSlice
 
 RAYCLUSTER_CRD = "rayclusters.ray.io"
 API_VERSION, KIND = "ray.io/v1", "RayCluster"
@@ -18,56 +21,64 @@ HEAD_RESOURCES = {"cpu": "4", "memory": "16Gi"}
 HEAD_PORTS = (("gcs", 6379), ("dashboard", DASHBOARD_PORT), ("client", 10001))
 
 
+@dataclass(frozen=True)
+class RayClusterArgs:
+    name: str  # a DNS-1035 label: the TPU webhook builds the worker hostnames from it
+    namespace: str
+    tpu: TpuSlice
+    capacity: SliceCapacity
+    autopilot: bool
+
+
 def head_service(ray_cluster_name: str) -> str:
     return f"{ray_cluster_name}-head-svc"
 
 
-def dashboard_command(cfg: StackConfig) -> str:
-    return f"kubectl -n {cfg.namespace} port-forward svc/{head_service(cfg.ray_cluster_name)} {DASHBOARD_PORT}:{DASHBOARD_PORT}"
+def dashboard_command(namespace: str, ray_cluster_name: str) -> str:
+    return f"kubectl -n {namespace} port-forward svc/{head_service(ray_cluster_name)} {DASHBOARD_PORT}:{DASHBOARD_PORT}"
 
 
 def _token_env() -> dict:
     return {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": TOKEN_SECRET, "key": TOKEN_KEY}}}
 
 
-def _autopilot_selectors(cfg: StackConfig) -> dict[str, str]:
+def _autopilot_selectors(capacity: SliceCapacity) -> dict[str, str]:
     """Autopilot has no node pools: Spot, flex-start and reservations are asked for by the pods."""
-    if not cfg.autopilot:
-        return {}
-    if cfg.spot:
+    if capacity.spot:
         return {"cloud.google.com/gke-spot": "true"}
-    if cfg.capacity == "flexStart":  # GKE's documented pod selector for flex-start capacity
+    if capacity.flex_start:  # GKE's documented pod selector for flex-start capacity
         return {"cloud.google.com/gke-flex-start": "true"}
-    if cfg.reservation:
+    if capacity.reservation:
         selectors = {
-            "cloud.google.com/reservation-name": cfg.reservation_name,
+            "cloud.google.com/reservation-name": capacity.reservation_name,
             "cloud.google.com/reservation-affinity": "specific",
         }
-        if cfg.reservation_project:
-            selectors["cloud.google.com/reservation-project"] = cfg.reservation_project
+        if capacity.reservation_project:
+            selectors["cloud.google.com/reservation-project"] = capacity.reservation_project
         return selectors
     return {}
 
 
-def worker_replicas(cfg: StackConfig) -> dict:
+def worker_replicas(capacity: SliceCapacity) -> dict:
     """One slice always (the walkthrough), or none until the job resource asks for one.
 
     With scaleToZero, `replicas` is left out: the CRD defaults it to 0 when the RayCluster is
     created, and since Pulumi never declares it, no later `up` sets it back under a running job
     (the job resource patches it to 1 and back to 0).
     """
-    if not cfg.scale_to_zero:
+    if not capacity.scale_to_zero:
         return {"replicas": 1}
     return {"minReplicas": 0, "maxReplicas": 1}
 
 
-def ray_cluster_manifest(cfg: StackConfig, image: str) -> dict:
+def ray_cluster_manifest(cluster: RayClusterArgs, image: str) -> dict:
     """The RayCluster as a plain dict: one CPU head, one worker group spanning the slice."""
-    tpu = cfg.slice
+    tpu = cluster.tpu
     env = [_token_env(), *tpu.ray_env]
+    selectors = tpu.node_selector | (_autopilot_selectors(cluster.capacity) if cluster.autopilot else {})
     worker_group = {
         "groupName": tpu.worker_group,
-        **worker_replicas(cfg),
+        **worker_replicas(cluster.capacity),
         "numOfHosts": tpu.hosts,
         "rayStartParams": {},
         "template": {
@@ -82,7 +93,7 @@ def ray_cluster_manifest(cfg: StackConfig, image: str) -> dict:
                     }
                 ],
                 "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": tpu.shm_size}}],
-                "nodeSelector": tpu.node_selector | _autopilot_selectors(cfg),
+                "nodeSelector": selectors,
             }
         },
     }
@@ -91,7 +102,7 @@ def ray_cluster_manifest(cfg: StackConfig, image: str) -> dict:
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "metadata": {"name": cfg.ray_cluster_name, "namespace": cfg.namespace},
+        "metadata": {"name": cluster.name, "namespace": cluster.namespace},
         "spec": {
             "headGroupSpec": {
                 "rayStartParams": {"num-cpus": "0"},
@@ -119,8 +130,7 @@ class RayCluster(pulumi.ComponentResource):
 
     def __init__(
         self,
-        name: str,
-        cfg: StackConfig,
+        cluster: RayClusterArgs,
         image: pulumi.Input[str],
         hf_token: pulumi.Input[str],
         provider: k8s.Provider,
@@ -129,11 +139,12 @@ class RayCluster(pulumi.ComponentResource):
         depends_on: list[pulumi.Resource] = (),
         opts: pulumi.ResourceOptions | None = None,
     ):
+        name = cluster.name
         super().__init__(f"{PROJECT}:infra:RayCluster", name, None, opts)
         k8s_opts = pulumi.ResourceOptions(parent=self, provider=provider)
         self.secret = k8s.core.v1.Secret(
             f"{name}-hf-token",
-            metadata={"name": TOKEN_SECRET, "namespace": cfg.namespace},
+            metadata={"name": TOKEN_SECRET, "namespace": cluster.namespace},
             type="Opaque",
             string_data={TOKEN_KEY: pulumi.Output.secret(hf_token)},
             opts=k8s_opts,
@@ -145,14 +156,14 @@ class RayCluster(pulumi.ComponentResource):
             crd=RAYCLUSTER_CRD,
             opts=pulumi.ResourceOptions(parent=self),
         )
-        spec = pulumi.Output.from_input(image).apply(lambda ref: ray_cluster_manifest(cfg, ref)["spec"])
+        spec = pulumi.Output.from_input(image).apply(lambda ref: ray_cluster_manifest(cluster, ref)["spec"])
         self.ray_cluster = k8s.apiextensions.CustomResource(
             name,
             api_version=API_VERSION,
             kind=KIND,
             metadata={
-                "name": cfg.ray_cluster_name,
-                "namespace": cfg.namespace,
+                "name": cluster.name,
+                "namespace": cluster.namespace,
                 # The provider's await: `up` moves on only once KubeRay reports the head ready.
                 "annotations": {"pulumi.com/waitFor": "condition=HeadPodReady"},
             },

@@ -9,7 +9,6 @@ import pulumi_docker as docker
 import pulumi_gcp as gcp
 
 from infra import PROJECT
-from infra.config import StackConfig
 
 IMAGE_DIR = Path(__file__).resolve().parent.parent / "image"
 
@@ -18,21 +17,30 @@ def registry_host(region: str) -> str:
     return f"{region}-docker.pkg.dev"
 
 
-def image_ref(cfg: StackConfig, tag: str = "latest") -> str:
-    return f"{registry_host(cfg.region)}/{cfg.project}/{cfg.repository}/{cfg.image_name}:{tag}"
+def image_ref(region: str, project: str, repository: str, image_name: str, tag: str = "latest") -> str:
+    return f"{registry_host(region)}/{project}/{repository}/{image_name}:{tag}"
 
 
 class ImageRegistry(pulumi.ComponentResource):
     """`image` is the pushed image by digest (repo@sha256:...), so a rebuild rolls the pods."""
 
-    def __init__(self, name: str, cfg: StackConfig, opts: pulumi.ResourceOptions | None = None):
+    def __init__(
+        self,
+        name: str,
+        *,
+        project: str,
+        region: str,
+        repository: str,
+        image_name: str,
+        opts: pulumi.ResourceOptions | None = None,
+    ):
         super().__init__(f"{PROJECT}:infra:ImageRegistry", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         self.repository = gcp.artifactregistry.Repository(
             name,
-            repository_id=cfg.repository,
-            project=cfg.project,
-            location=cfg.region,
+            repository_id=repository,
+            project=project,
+            location=region,
             format="DOCKER",
             description="Ray + TorchTPU images for the Gemma 4 fine-tune",
             opts=child,
@@ -40,7 +48,7 @@ class ImageRegistry(pulumi.ComponentResource):
         token = gcp.organizations.get_client_config_output().access_token
         self.built = docker.Image(
             f"{name}-image",
-            image_name=image_ref(cfg),
+            image_name=image_ref(region, project, repository, image_name),
             build={
                 "context": str(IMAGE_DIR),
                 "dockerfile": str(IMAGE_DIR / "Dockerfile"),
@@ -49,7 +57,7 @@ class ImageRegistry(pulumi.ComponentResource):
             # Previews (and CI) never need a Docker daemon; `up` builds and pushes.
             build_on_preview=False,
             registry={
-                "server": registry_host(cfg.region),
+                "server": registry_host(region),
                 "username": "oauth2accesstoken",
                 "password": pulumi.Output.secret(token),
             },

@@ -6,7 +6,6 @@ import pulumi
 import pulumi_gcp as gcp
 
 from infra import PROJECT
-from infra.config import StackConfig
 
 CHECKPOINT_ROLE = "roles/storage.objectAdmin"
 
@@ -20,26 +19,38 @@ def workload_identity_principal(project_number: str, project: str, namespace: st
 
 
 class CheckpointBucket(pulumi.ComponentResource):
-    def __init__(self, name: str, cfg: StackConfig, opts: pulumi.ResourceOptions | None = None):
+    """`bucket_name` in `project`'s `region`, and objectAdmin on it for the Ray pods' Kubernetes
+    ServiceAccount (`namespace`/`service_account`)."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        bucket_name: str,
+        project: str,
+        region: str,
+        force_destroy: bool,
+        namespace: str,
+        service_account: str,
+        opts: pulumi.ResourceOptions | None = None,
+    ):
         super().__init__(f"{PROJECT}:infra:CheckpointBucket", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         self.bucket = gcp.storage.Bucket(
             name,
-            name=cfg.bucket_name,
-            project=cfg.project,
-            location=cfg.region.upper(),
+            name=bucket_name,
+            project=project,
+            location=region.upper(),
             uniform_bucket_level_access=True,
-            force_destroy=cfg.bucket_force_destroy,
+            force_destroy=force_destroy,
             opts=child,
         )
-        number = gcp.organizations.get_project_output(project_id=cfg.project).number
+        number = gcp.organizations.get_project_output(project_id=project).number
         self.member = gcp.storage.BucketIAMMember(
             f"{name}-ray-pods",
             bucket=self.bucket.name,
             role=CHECKPOINT_ROLE,
-            member=number.apply(
-                lambda n: workload_identity_principal(n, cfg.project, cfg.namespace, cfg.service_account)
-            ),
+            member=number.apply(lambda n: workload_identity_principal(n, project, namespace, service_account)),
             opts=child,
         )
         self.name = self.bucket.name

@@ -1,7 +1,7 @@
 """The last resource of the stack: runs the collectives check and the fine-tune, exports the checkpoint.
 
-A Pulumi dynamic resource over infra/ray_jobs.py (which uses infra/job_client.py and
-infra/slice_scaler.py). Its inputs hold no secret: Google and Ray credentials are read where
+A Pulumi dynamic resource over infra/runner/ray_jobs.py (which uses infra/runner/job_client.py and
+infra/runner/slice_scaler.py). Its inputs hold no secret: Google and Ray credentials are read where
 it runs, when it runs.
 """
 
@@ -15,11 +15,11 @@ from dataclasses import asdict
 import pulumi
 import pulumi.dynamic as dynamic
 
-from infra import ray_jobs
 from infra.config import StackConfig
 from infra.dataset import dataset_ref
 from infra.raycluster import DASHBOARD_PORT, head_service
-from infra.resilience import RetryPolicy
+from infra.runner import ray_jobs
+from infra.runner.resilience import RetryPolicy
 
 CHECKPOINT_PREFIX = "ray_train_torchtpu"
 OUTPUT_KEYS = (
@@ -38,7 +38,7 @@ def training_settings(cfg: StackConfig) -> dict:
     job = cfg.job
     settings = {
         "model": job.model,
-        "dataset": dataset_ref(cfg),
+        "dataset": dataset_ref(job.dataset, job.dataset_file, None if cfg.local else cfg.bucket_name),
         "dataset_config": job.dataset_config,
         "dataset_columns": job.dataset_columns,
         "overlong": job.overlong,
@@ -70,13 +70,16 @@ def training_settings(cfg: StackConfig) -> dict:
     }
 
 
-def gke_target(cfg: StackConfig, endpoint: pulumi.Input[str], ca_certificate: pulumi.Input[str]) -> dict:
+def gke_target(
+    namespace: str, ray_cluster_name: str, endpoint: pulumi.Input[str], ca_certificate: pulumi.Input[str]
+) -> dict:
+    """How the job resource reaches the Ray head on GKE: the API server's service proxy to its dashboard."""
     return {
         "kind": "gke",
         "endpoint": endpoint,
         "ca_certificate": ca_certificate,
-        "namespace": cfg.namespace,
-        "service": head_service(cfg.ray_cluster_name),
+        "namespace": namespace,
+        "service": head_service(ray_cluster_name),
         "port": DASHBOARD_PORT,
     }
 
@@ -116,7 +119,7 @@ def price_settings(cfg: StackConfig) -> dict | None:
     """What the job resource needs to print the run's cost: the slice's price, when there is one."""
     from infra.prices import price_of
 
-    price = None if cfg.local or not cfg.scale_to_zero else price_of(cfg)
+    price = None if cfg.local or not cfg.capacity.scale_to_zero else price_of(cfg)
     if price is None:
         return None
     return {"usd_per_chip_hour": price.usd_per_chip_hour, "chips_per_host": cfg.slice.generation.chips_per_host,
@@ -125,14 +128,14 @@ def price_settings(cfg: StackConfig) -> dict | None:
 
 def slice_settings(cfg: StackConfig) -> dict | None:
     """What the job resource scales around the jobs: the TPU worker group (scaleToZero only)."""
-    if not cfg.scale_to_zero:
+    if not cfg.capacity.scale_to_zero:
         return None
     return {
         "ray_cluster": cfg.ray_cluster_name,
         "group": cfg.slice.worker_group,
         "hosts": cfg.slice.hosts,
         "ready_timeout_s": cfg.slice_ready_timeout_minutes * 60,
-        "capacity": cfg.capacity,
+        "capacity": cfg.capacity.kind,
     }
 
 
@@ -192,21 +195,10 @@ class TrainingJobs(dynamic.Resource):
     collectives: pulumi.Output[dict]
     job_ids: pulumi.Output[dict]
 
-    def __init__(
-        self,
-        name: str,
-        cfg: StackConfig,
-        target: dict,
-        cluster: pulumi.Input[str],
-        image: pulumi.Input[str],
-        opts: pulumi.ResourceOptions | None = None,
-    ):
+    def __init__(self, name: str, props: dict, opts: pulumi.ResourceOptions | None = None):
+        """`props`: training_props(...), what the jobs are asked to do and where."""
         # Outputs are declared as inputs of None so that Pulumi exposes them as attributes.
-        props = training_props(cfg, target, cluster, image) | dict.fromkeys(OUTPUT_KEYS)
-        opts = pulumi.ResourceOptions.merge(
-            opts,
-            pulumi.ResourceOptions(
-                custom_timeouts=pulumi.CustomTimeouts(create=f"{cfg.job.timeout_minutes * 2 + 10}m")
-            ),
-        )
+        props = props | dict.fromkeys(OUTPUT_KEYS)
+        timeout = pulumi.CustomTimeouts(create=f"{props['timeout_s'] * 2 // 60 + 10}m")
+        opts = pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(custom_timeouts=timeout))
         super().__init__(_TrainingJobsProvider(), name, props, opts)

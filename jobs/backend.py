@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 # The jobs travel alone (only jobs/ is uploaded), so these few facts are restated here;
-# tests/test_config.py checks them against infra/tpu.py and infra/ray_jobs.py.
+# tests/test_config.py checks them against infra/tpu.py and infra/runner/ray_jobs.py.
 RESULT_PREFIX = "JOB_RESULT_JSON: "
 CHIPS_PER_HOST = 4
 

@@ -1,7 +1,7 @@
 """The fine-tune's command line: its flags, the walkthrough's aliases, their checks, and the one
 typed object they become.
 
-infra/ray_jobs.job_specs writes these flags from the stack's config; this file reads them. The
+infra/runner/ray_jobs.job_specs writes these flags from the stack's config; this file reads them. The
 flags a --recipe sets default to None in the parser and are filled in by `resolve`, so a flag given
 on its own wins over the recipe.
 """

@@ -124,6 +124,12 @@ SIZES = {
     # ~120M parameters: big enough that writing a checkpoint takes real time, for the bench's stall table
     "ckpt": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 8, "num_attention_heads": 8,
              "head_dim": 128, "sliding_window": 128},
+    # E2B's structure: 4 of its 7 layers reuse an earlier layer's keys and values (E2B: 20 of 35), with double-wide
+    # MLPs there; sliding layers beside full ones, the last full
+    "e2b": {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 7, "num_attention_heads": 2,
+            "head_dim": 32, "sliding_window": 64, "num_kv_shared_layers": 4, "use_double_wide_mlp": True,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                            "sliding_attention", "sliding_attention", "full_attention"]},
     # a mixture of experts shaped like 26B-A4B's layers: a dense MLP beside 4 experts, top 2, K = V on full layers
     "moe": {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
             "head_dim": 32, "sliding_window": 64, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
@@ -141,14 +147,13 @@ def make_model(out: Path, vocab_size: int, seed: int = 0, size: str = "tiny") ->
     layers = shape["num_hidden_layers"]
     config = Gemma4Config(
         text_config={
-            **shape,
             "vocab_size": vocab_size,
             "vocab_size_per_layer_input": vocab_size,
             "hidden_size_per_layer_input": 16,
             "num_key_value_heads": 1,
             "global_head_dim": shape["head_dim"],
             "max_position_embeddings": 1024,
-            # every other layer sliding, the last one full, as in Gemma 4
+            # every other layer sliding, the last one full, as in Gemma 4 (a size may say otherwise)
             "layer_types": [
                 "sliding_attention" if i % 2 == 0 and i < layers - 1 else "full_attention" for i in range(layers)
             ],
@@ -156,6 +161,7 @@ def make_model(out: Path, vocab_size: int, seed: int = 0, size: str = "tiny") ->
             "pad_token_id": 0,
             "eos_token_id": 1,
             "bos_token_id": 2,
+            **shape,
         },
         vision_config=None,
         audio_config=None,

@@ -58,7 +58,7 @@ def pytest_configure(config):
         return  # a worker, or no workers: the session fixtures below make what is needed when it is needed
     from tiny_assets import make_all
 
-    from infra.local_ray import LocalRayHead
+    from infra.runner.local_ray import LocalRayHead
 
     config.shared_dir = shared = Path(tempfile.mkdtemp(prefix="gemma-tpu-tests-"))
     config.shared_head = LocalRayHead(num_cpus=HEAD_CPUS, log_dir=shared).start()
@@ -77,7 +77,7 @@ def pytest_unconfigure(config):
 @pytest.fixture(scope="session")
 def ray_head(tmp_path_factory):
     """One real Ray head on 127.0.0.1 shared by every test that runs jobs (and every xdist worker)."""
-    from infra.local_ray import LocalRayHead
+    from infra.runner.local_ray import LocalRayHead
 
     if SHARED in os.environ:
         shared = json.loads(os.environ[SHARED])

@@ -175,7 +175,7 @@ def test_the_cost_of_a_run_from_its_slice_hours():
 
 
 def test_the_job_resource_prints_the_cost_line():
-    from infra.ray_jobs import cost_line
+    from infra.runner.ray_jobs import cost_line
 
     line = cost_line({"usd_per_chip_hour": 2.70, "chips_per_host": 4, "chips": 16}, 0.5, 0.25)
     assert line == ("cost: $5.40 for 0.50 slice host-hours at $2.70 per chip-hour (the walkthrough's always-on "

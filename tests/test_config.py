@@ -50,7 +50,7 @@ def test_derived_values(generation, topology):
 def test_jobs_restate_the_table_faithfully():
     import backend
 
-    from infra import ray_jobs
+    from infra.runner import ray_jobs
 
     assert backend.RESULT_PREFIX == ray_jobs.RESULT_PREFIX
     for generation in GENERATIONS.values():
@@ -338,7 +338,7 @@ def test_values_the_config_accepts_the_jobs_accept(name):
     from datasets import ReadInstruction
     from ray_train_llm_finetune import parse_args
 
-    from infra.ray_jobs import job_specs
+    from infra.runner.ray_jobs import job_specs
     from infra.training import training_settings
 
     for value in GOOD_JOB_VALUES[name]:
@@ -427,7 +427,7 @@ def test_a_dataset_file_alone_is_read_under_the_clis_defaults(tmp_path):
 
 
 def test_a_reservation_keeps_the_slice_up_unless_scale_to_zero_is_set():
-    assert parse_as_cli({"reservation": "r1"}).scale_to_zero is False
-    assert parse_as_cli({"reservation": "r1", "scaleToZero": "true"}).scale_to_zero is True
-    assert parse_as_cli({}).scale_to_zero is True
-    assert parse_as_cli({"scaleToZero": "false"}).scale_to_zero is False
+    assert parse_as_cli({"reservation": "r1"}).capacity.scale_to_zero is False
+    assert parse_as_cli({"reservation": "r1", "scaleToZero": "true"}).capacity.scale_to_zero is True
+    assert parse_as_cli({}).capacity.scale_to_zero is True
+    assert parse_as_cli({"scaleToZero": "false"}).capacity.scale_to_zero is False

@@ -9,8 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from infra.crd_wait import CRD_PATH, wait_for_crd
-from infra.kube_api import KubeApi
-from infra.resilience import FixedToken, RetryPolicy
+from infra.runner.kube_api import KubeApi
+from infra.runner.resilience import FixedToken, RetryPolicy
 
 
 def serve(responses: list[tuple[int, dict]]):

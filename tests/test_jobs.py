@@ -11,7 +11,7 @@ import pytest
 import torch
 from backend import RESULT_PREFIX
 
-from infra.ray_jobs import parse_result
+from infra.runner.ray_jobs import parse_result
 
 JOBS = Path(__file__).resolve().parent.parent / "jobs"
 
@@ -87,8 +87,8 @@ def resumed(ray_head, tiny_assets, dolly288, tmp_path_factory) -> dict:
 
     from ray.util.state import list_actors
 
-    from infra import job_client
-    from infra.ray_jobs import JOBS_DIR, UPLOAD_EXCLUDES
+    from infra.runner import job_client
+    from infra.runner.ray_jobs import JOBS_DIR, UPLOAD_EXCLUDES
     from infra.training import local_target
 
     storage = tmp_path_factory.mktemp("ckpt")
@@ -299,7 +299,7 @@ def stale_ray_tmpdir():
     import shutil
     import tempfile
 
-    from infra.local_ray import free_port
+    from infra.runner.local_ray import free_port
 
     tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths live below it
     (tmp / "ray").mkdir()
@@ -335,7 +335,7 @@ def by_hand(ray_head, tiny_assets, tmp_path_factory):
     import shutil
     import tempfile
 
-    from infra.local_ray import free_port
+    from infra.runner.local_ray import free_port
 
     commands = readme_cpu_commands()
     cwd = tmp_path_factory.mktemp("checkout")
@@ -401,7 +401,7 @@ def test_the_fine_tune_states_its_data_and_shows_progress_and_tensorboard(by_han
 
 
 def test_a_stopped_head_forgets_its_address_but_not_anothers(stale_ray_tmpdir, monkeypatch):
-    from infra.local_ray import LocalRayHead, address_file
+    from infra.runner.local_ray import LocalRayHead, address_file
 
     monkeypatch.setenv("RAY_TMPDIR", str(stale_ray_tmpdir))
     head = LocalRayHead(num_cpus=1)

@@ -78,38 +78,84 @@ def test_no_tensor_of_the_full_logits_is_ever_made():
     assert sizes[64] == 64 * VOCAB  # the chunked one: one chunk of them at most
 
 
-def test_the_tied_head_under_fsdp_gets_the_models_own_gradients_chunked(tiny_assets, gloo_rank):
-    """The model's own output embedding (tied to the input one, FSDP2's unsharded root weight), no copy:
-    a packed training step, chunked, gives the loss and every gradient of the plain Hugging Face
-    model's own forward (full logits, its soft-cap, its loss) on the same batch."""
+def ours_and_theirs(assets: dict, *flags: str) -> tuple[dict, dict]:
+    """One training step's first micro-batch through the fine-tune's model (model.build_model: FSDP2, the
+    TokenLoss forward) and through the plain Hugging Face model's own forward (full logits, its soft-cap,
+    its loss): ({"loss": ..., gradient name: ...}, the same for transformers)."""
     from loop import TrainingData
-    from model import freeze_per_layer_embeddings, language_model
+    from model import freeze_per_layer_embeddings
     from recipe import predicted_tokens
     from sft_data import model_inputs
     from transformers import AutoModelForCausalLM
 
     from tests.inprocess import build
 
-    config = settings(tiny_assets, "--loss-chunk", "50", "--eval-split", "none")
+    config = settings(assets, "--eval-split", "none", *flags)
     trainee, _ = build(config)
-    model = trainee.model
-    head = language_model(model).embed_tokens.weight
-    assert model.lm_head.weight is head  # tied: one parameter, sharded once
     batch = next(iter(TrainingData(config, trainee.tokenizer, 0, 1).loader))
-    loss = trainee.loss(**model_inputs(batch, True, "cpu"))
+    inputs = model_inputs(batch, config.packing, "cpu")
+    loss = trainee.loss(**inputs)
     loss.backward()
-    ours = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    ours = {n: p.grad.full_tensor() for n, p in trainee.model.named_parameters() if p.grad is not None}
 
-    plain = AutoModelForCausalLM.from_pretrained(tiny_assets["model"], dtype=torch.float32)
+    # eager attention, as the fine-tune loads it: transformers' sdpa path differs from its eager one on rows
+    # longer than a sliding window (measured: gradients 2.5e-4 apart in float64, 8.7e-4 in float32)
+    plain = AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32, attn_implementation="eager")
     freeze_per_layer_embeddings(plain)  # as the fine-tune does
-    inputs = model_inputs(batch, True, "cpu")
     reference = plain(**inputs).loss * predicted_tokens(inputs["labels"])  # its mean, as a sum
     reference.backward()
     theirs = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
-    assert relative(loss.detach(), reference.detach()) < 1e-5
+    return {"loss": loss.detach()} | ours, {"loss": reference.detach()} | theirs
+
+
+def test_the_tied_head_under_fsdp_gets_the_models_own_gradients_chunked(tiny_assets, gloo_rank):
+    """The model's own output embedding (tied to the input one, FSDP2's unsharded root weight), no copy:
+    a packed training step, chunked, gives the loss and every gradient of the plain Hugging Face
+    model's own forward on the same batch."""
+    ours, theirs = ours_and_theirs(tiny_assets, "--loss-chunk", "50")
+    assert relative(ours["loss"], theirs["loss"]) < 1e-5
     assert ours.keys() == theirs.keys() and "model.language_model.embed_tokens.weight" in ours
     for name in ours:
         assert relative(ours[name], theirs[name]) < 1e-4, name
+
+
+@pytest.fixture(scope="module")
+def tiny_e2b(tiny_assets, tmp_path_factory):
+    """The tiny Gemma 4 with E2B's structure (jobs/tiny_assets.py's `e2b` size), same tokenizer."""
+    import shutil
+
+    from tiny_assets import make_model
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("e2b") / "model"
+    shutil.copytree(tiny_assets["model"], out, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    make_model(out, vocab_size=len(AutoTokenizer.from_pretrained(tiny_assets["model"])), size="e2b")
+    return {"model": str(out), "dataset": tiny_assets["dataset"]}
+
+
+@pytest.mark.parametrize("rows", ["packed", "padded"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["stored", "recomputed"])
+def test_kv_shared_layers_train_on_transformers_own_loss(tiny_e2b, rows, checkpointing, gloo_rank):
+    """E2B's 20 of 35 layers reuse earlier layers' keys and values; some transformers versions broke that
+    without a cache or under gradient checkpointing (loss 10-15). The tiny E2B (4 of 7 shared) through the
+    fine-tune's forward, packed and padded, activations stored and recomputed: transformers' loss and
+    gradients."""
+    flags = ["--loss-chunk", "50", "--packing" if rows == "packed" else "--no-packing"]
+    ours, theirs = ours_and_theirs(tiny_e2b, *flags, *(["--activation-checkpointing"] if checkpointing else []))
+    assert relative(ours["loss"], theirs["loss"]) < 1e-5
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert relative(ours[name], theirs[name]) < 1e-4, name
+    shared = [n for n in ours if ".layers.6.self_attn.k_proj" in n]
+    assert shared == []  # the last layer is KV-shared: it has no k_proj of its own to train
+
+
+def test_the_tiny_e2b_shares_its_kv_like_e2b(tiny_e2b):
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(tiny_e2b["model"]).get_text_config()
+    assert (text.num_hidden_layers, text.num_kv_shared_layers) == (7, 4)  # E2B: 35 and 20, the same share
+    assert set(text.layer_types) == {"sliding_attention", "full_attention"} and text.layer_types[-1] == "full_attention"
 
 
 def test_peak_memory_is_this_processs_high_water_mark_and_resets():

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from infra import config
-from infra.raycluster import ray_cluster_manifest
+from infra.raycluster import RayClusterArgs, ray_cluster_manifest
 from tests.crd_schema import load_schema, validate
 from tests.stack_harness import parse_as_cli
 
@@ -18,8 +17,10 @@ IMAGE = "us-east5-docker.pkg.dev/p/ray-torchtpu/ray-torchtpu@sha256:" + "cd" * 3
 TOKEN_ENV = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-secret", "key": "hf_api_token"}}}
 
 
-def cfg_for(generation: str, topology: str, **raw) -> config.StackConfig:
-    return parse_as_cli({"tpuGeneration": generation, "tpuTopology": topology, **raw}, stack="t", region="us-east5")
+def cfg_for(generation: str, topology: str, **raw) -> RayClusterArgs:
+    """The RayCluster's arguments as __main__.py gives them from the stack's config."""
+    cfg = parse_as_cli({"tpuGeneration": generation, "tpuTopology": topology, **raw}, stack="t", region="us-east5")
+    return RayClusterArgs(cfg.ray_cluster_name, cfg.namespace, cfg.slice, cfg.capacity, cfg.autopilot)
 
 
 def walkthrough_manifest(group, hosts, memory, shm, accelerator, topology, ironwood):
@@ -109,7 +110,7 @@ def test_scale_to_zero_leaves_the_replicas_to_the_job_resource(flavour):
     """By default the worker group is bounded 0..1 and its replicas are not declared at all: the CRD
     makes them 0 at creation, and no later `up` can set them back under a running job."""
     cfg, walkthrough = FLAVOURS[flavour]
-    default = ray_cluster_manifest(replace(cfg, scale_to_zero=True), IMAGE)
+    default = ray_cluster_manifest(replace(cfg, capacity=replace(cfg.capacity, scale_to_zero=True)), IMAGE)
     group = default["spec"]["workerGroupSpecs"][0]
     assert "replicas" not in group and (group["minReplicas"], group["maxReplicas"]) == (0, 1)
     expected = copy.deepcopy(walkthrough)

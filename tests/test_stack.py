@@ -339,7 +339,7 @@ def test_the_recipe_reaches_the_fine_tune_as_its_flags(stack, recipe):
     from ray_train_llm_finetune import resolve
     from recipe import RECIPE_KEYS, RECIPES
 
-    from infra.ray_jobs import job_specs
+    from infra.runner.ray_jobs import job_specs
 
     walkthrough = recipe == "walkthrough"
     flags = {"recipe": recipe, "maxFailures": "0"} if walkthrough else {}
@@ -377,7 +377,7 @@ def test_a_dataset_file_is_uploaded_under_its_content_hash_and_read_by_the_job(m
 
     from ray_train_llm_finetune import parse_args
 
-    from infra.ray_jobs import base_id, job_specs
+    from infra.runner.ray_jobs import base_id, job_specs
 
     data = tmp_path / "my-data.jsonl"
     data.write_text('{"prompt": "Describe bees.", "completion": "Bees are warm."}\n' * 8)
@@ -443,7 +443,7 @@ def test_31b_on_v6e_is_refused_with_its_advice_then_accepted_with_activation_che
     assert (settings["lora"], settings["activation_checkpointing"], settings["lora_rank"]) == (True, True, 16)
     from ray_train_llm_finetune import parse_args, resolve
 
-    from infra.ray_jobs import job_specs
+    from infra.runner.ray_jobs import job_specs
 
     args = resolve(parse_args(list(job_specs(settings, 3)[1].args)))
     assert (args.lora, args.activation_checkpointing, args.lora_rank, args.lora_alpha) == (

@@ -12,10 +12,10 @@ import pytest
 from pulumi.runtime.rpc import UNKNOWN
 from ray.exceptions import AuthenticationError
 
-from infra import job_client, local_run, ray_jobs
-from infra.config import ROOT
-from infra.resilience import FixedToken, GoogleTokens, RetryPolicy, Unreachable
-from infra.slice_scaler import SliceNotReady
+from infra import ROOT, local_run
+from infra.runner import job_client, ray_jobs
+from infra.runner.resilience import FixedToken, GoogleTokens, RetryPolicy, Unreachable
+from infra.runner.slice_scaler import SliceNotReady
 from infra.training import _TrainingJobsProvider, diff_props, local_target, training_props
 from tests.apiserver_standin import FakeSlice, ServiceProxyStandin
 from tests.stack_harness import run_program, stack_config
@@ -256,7 +256,7 @@ def test_an_interrupt_leaves_job_and_slice_up_and_the_next_up_attaches(ray_head,
         # handler is set again: a test run started in the background (`make test &`) inherits SIGINT ignored.
         runner = (
             "import json, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-            "import infra.ray_jobs as rj; from infra.resilience import FixedToken; "
+            "import infra.runner.ray_jobs as rj; from infra.runner.resilience import FixedToken; "
             "rj.GoogleTokens = lambda: FixedToken('k8s-bearer'); "
             "from infra.training import _TrainingJobsProvider as P; P().create(json.load(sys.stdin))"
         )

@@ -14,7 +14,7 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from infra.kube_api import KubeApi
+from infra.runner.kube_api import KubeApi
 
 RAYCLUSTER = "/apis/ray.io/v1/namespaces/{namespace}/rayclusters/{name}"
 PODS = "/api/v1/namespaces/{namespace}/pods?labelSelector={selector}"

@@ -1,7 +1,7 @@
 """Talking to a Ray head's job API: directly, or through the GKE API server's service proxy.
 
 Every request carries a fresh Google token (for GKE), has a timeout, and is retried while
-what fails is transient (infra/resilience.py). A submit is never resent blindly. Logs are
+what fails is transient (infra/runner/resilience.py). A submit is never resent blindly. Logs are
 followed as bounded tails, each line printed once.
 """
 
@@ -12,8 +12,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from infra.kube_api import RERUN_HINT, api_server_url
-from infra.resilience import GoogleTokens, RetryPolicy, TokenSource, Unreachable, call_with_retries
+from infra.runner.kube_api import RERUN_HINT, api_server_url
+from infra.runner.resilience import GoogleTokens, RetryPolicy, TokenSource, Unreachable, call_with_retries
 
 LOG_FETCH_LINES = 1000  # the most of a job's log fetched per poll
 LOG_TAIL_BUDGET_S = 30  # then the bounded tail gives way to the whole log

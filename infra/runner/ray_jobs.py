@@ -3,7 +3,7 @@
 No Pulumi here: the dynamic resource (infra/training.py), `make local` and the tests call
 these functions directly. A job's submission id is a hash of what defines it, so a second
 `up` attaches to the job the first one started instead of starting another. With scaleToZero
-the TPU slice is scaled up before the jobs and back to 0 after them (infra/slice_scaler.py).
+the TPU slice is scaled up before the jobs and back to 0 after them (infra/runner/slice_scaler.py).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.job_client import Log, LogFollower, SubmitUncertain, connect, default_log
-from infra.kube_api import KubeApi, api_server_url
-from infra.resilience import GoogleTokens, RetryPolicy, TokenSource, Unreachable
-from infra.slice_scaler import NoRayCluster, SliceScaler
+from infra import JOBS_DIR
+from infra.runner.job_client import Log, LogFollower, SubmitUncertain, connect, default_log
+from infra.runner.kube_api import KubeApi, api_server_url
+from infra.runner.resilience import GoogleTokens, RetryPolicy, TokenSource, Unreachable
+from infra.runner.slice_scaler import NoRayCluster, SliceScaler
 
-JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
 UPLOAD_EXCLUDES = ["__pycache__", "*.pyc", "tiny_assets.py"]
 ACTIVE, DONE, BROKEN = {"PENDING", "RUNNING"}, "SUCCEEDED", {"FAILED", "STOPPED"}
 RESULT_PREFIX = "JOB_RESULT_JSON: "

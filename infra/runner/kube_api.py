@@ -1,7 +1,7 @@
 """A few authenticated calls to a GKE API server, with the caller's Google credentials.
 
 Used from dynamic providers at `up` time; nothing here runs during preview or under mocks.
-Every call refreshes the token when needed and retries what is transient (infra/resilience.py).
+Every call refreshes the token when needed and retries what is transient (infra/runner/resilience.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from infra.resilience import GoogleTokens, RetryPolicy, TokenSource, call_with_retries
+from infra.runner.resilience import GoogleTokens, RetryPolicy, TokenSource, call_with_retries
 
 RERUN_HINT = (
     "Nothing was lost: a job already started keeps running on the cluster, and `pulumi up` again "
