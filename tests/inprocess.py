@@ -12,6 +12,18 @@ import tempfile
 from pathlib import Path
 
 
+def tiny_of_size(size: str, assets: dict, out: Path) -> dict:
+    """The tiny model at another of jobs/tiny_assets.py's sizes, with the same tokenizer and data."""
+    import shutil
+
+    from tiny_assets import make_model
+    from transformers import AutoTokenizer
+
+    shutil.copytree(assets["model"], out, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    make_model(out, vocab_size=len(AutoTokenizer.from_pretrained(assets["model"])), size=size)
+    return {"model": str(out), "dataset": assets["dataset"]}
+
+
 def settings(assets: dict, *flags: str):
     """The job's resolved settings (a flags.FinetuneSettings) for `flags`, after the tiny model, its data
     and the CPU backend."""

@@ -137,15 +137,9 @@ def test_activation_checkpointing_recomputes_each_layer_and_keeps_the_losses(tin
 @pytest.fixture(scope="module")
 def tiny_moe(tiny_assets, tmp_path_factory):
     """The tiny Gemma 4 as a mixture of experts (jobs/tiny_assets.py's `moe` size), same tokenizer."""
-    import shutil
+    from tests.inprocess import tiny_of_size
 
-    from tiny_assets import make_model
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("moe") / "model"
-    shutil.copytree(tiny_assets["model"], out, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
-    make_model(out, vocab_size=len(AutoTokenizer.from_pretrained(tiny_assets["model"])), size="moe")
-    return {"model": str(out), "dataset": tiny_assets["dataset"]}
+    return tiny_of_size("moe", tiny_assets, tmp_path_factory.mktemp("moe") / "model")
 
 
 def test_a_mixture_of_experts_trains_under_fsdp_and_lora_leaves_its_experts(tiny_moe, gloo_rank):

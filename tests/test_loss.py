@@ -122,15 +122,9 @@ def test_the_tied_head_under_fsdp_gets_the_models_own_gradients_chunked(tiny_ass
 @pytest.fixture(scope="module")
 def tiny_e2b(tiny_assets, tmp_path_factory):
     """The tiny Gemma 4 with E2B's structure (jobs/tiny_assets.py's `e2b` size), same tokenizer."""
-    import shutil
+    from tests.inprocess import tiny_of_size
 
-    from tiny_assets import make_model
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("e2b") / "model"
-    shutil.copytree(tiny_assets["model"], out, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
-    make_model(out, vocab_size=len(AutoTokenizer.from_pretrained(tiny_assets["model"])), size="e2b")
-    return {"model": str(out), "dataset": tiny_assets["dataset"]}
+    return tiny_of_size("e2b", tiny_assets, tmp_path_factory.mktemp("e2b") / "model")
 
 
 @pytest.mark.parametrize("rows", ["packed", "padded"])
