@@ -54,7 +54,7 @@ else:
                              image_name=cfg.image_name, opts=after_apis)  # fmt: skip
     kube = KubernetesAccess("gke", gke.name, gke.endpoint, gke.ca_certificate)
     ray = RayCluster(
-        RayClusterArgs(cfg.ray_cluster_name, cfg.namespace, cfg.slice, cfg.capacity, cfg.autopilot),
+        RayClusterArgs(cfg.ray_cluster_name, cfg.namespace, cfg.slice, cfg.capacity, cfg.autopilot, cfg.head_cpus),
         image=registry.image,
         hf_token=hf_token,
         provider=kube.provider,

@@ -67,6 +67,7 @@ JOB_LIMITS = {
     "lossChunk": (1048576, "tokens per chunk; more than a step holds is the full logits anyway"),
     "loraRank": (1024, "far past what LoRA fine-tunes use (8 to 64)"),
     "loraAlpha": (4096, "the adapters' scale is alpha / rank"),
+    "headCpus": (4, "the head pod requests 4 CPUs (infra/raycluster.py HEAD_RESOURCES)"),
 }
 
 
@@ -126,6 +127,7 @@ class StackConfig:
     repository: str
     image_name: str
     ray_cluster_name: str
+    head_cpus: int  # the Ray head's num-cpus: what the data preparation may use there
     namespace: str
     service_account: str
     job: JobSettings
@@ -628,6 +630,7 @@ def parse(
         bucket_name=bucket,
         job=job,
         ray_address=r.value("rayAddress"),
+        head_cpus=r.positive("headCpus", minimum=0),
         **names,
         **switches,
     )

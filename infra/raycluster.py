@@ -28,6 +28,7 @@ class RayClusterArgs:
     tpu: TpuSlice
     capacity: SliceCapacity
     autopilot: bool
+    head_cpus: int  # what Ray may schedule on the head: the data preparation (0: the walkthrough's head)
 
 
 def head_service(ray_cluster_name: str) -> str:
@@ -105,7 +106,7 @@ def ray_cluster_manifest(cluster: RayClusterArgs, image: str) -> dict:
         "metadata": {"name": cluster.name, "namespace": cluster.namespace},
         "spec": {
             "headGroupSpec": {
-                "rayStartParams": {"num-cpus": "0"},
+                "rayStartParams": {"num-cpus": str(cluster.head_cpus)},
                 "template": {
                     "spec": {
                         "containers": [

@@ -9,12 +9,14 @@ collectives).
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from backend import worker_print
 from recipe import IGNORE, clip_grad_norm, lr_at, predicted_tokens
-from sft_data import examples, model_inputs, prepare_docs
+from sft_data import model_inputs
 
 
 @dataclass(frozen=True)
@@ -34,26 +36,28 @@ def steps_per_epoch(batches_per_rank: int, grad_accum: int) -> int:
 
 class TrainingData:
     """This rank's loader over the training rows (sharded, shuffled by seed and epoch), the eval rows,
-    and the steps an epoch takes. Every rank renders the same records the same way."""
+    and the steps an epoch takes, read from the prepared data (jobs/prepared.py) at `prepared`; without
+    one (a test in one process), the data is prepared here first, into this machine's temp dir."""
 
-    def __init__(self, settings, tokenizer, rank: int, world: int):
+    def __init__(self, settings, tokenizer, rank: int, world: int, prepared: str | None = None):
         import torch
+        from prepared import PreparedRows, local_directory, prepare
 
-        train, held_out = prepare_docs(settings, tokenizer)
-        pad = tokenizer.pad_token_id
-        side = getattr(tokenizer, "padding_side", "right")
-        rows = examples(train.items, settings.seq_len, settings.packing, pad, settings.seed, side)
+        if prepared is None:
+            scratch = os.path.join(tempfile.gettempdir(), "gemma-tpu-scratch")
+            prepared = prepare(replace(settings, storage_path=scratch), tokenizer).uri
+        directory = local_directory(prepared)
+        left = not settings.packing and getattr(tokenizer, "padding_side", "right") == "left"
+        shape = (settings.seq_len, tokenizer.pad_token_id, settings.packing, left)
+        rows = PreparedRows(directory, "train", *shape)
         self.sampler = torch.utils.data.DistributedSampler(
             rows, num_replicas=world, rank=rank, shuffle=True, seed=settings.seed, drop_last=True
         )
         self.loader = torch.utils.data.DataLoader(rows, batch_size=settings.batch_size, sampler=self.sampler,
                                                   drop_last=True)  # fmt: skip
         self.steps = steps_per_epoch(len(self.loader), settings.grad_accum)
-        self.eval = (
-            examples(held_out.items, settings.seq_len, settings.packing, pad, settings.seed, side)
-            if held_out.items
-            else None
-        )
+        has_eval = os.path.exists(os.path.join(directory, "eval", "rows.npy"))
+        self.eval = PreparedRows(directory, "eval", *shape) if has_eval else None
 
     def schedule(self, settings) -> Schedule:
         return Schedule(settings.lr, settings.lr_schedule, settings.warmup_ratio, self.steps * settings.epochs)
@@ -140,15 +144,16 @@ def eval_rows(dataset, rank: int, world: int):
     rank runs the same number of forward passes: FSDP's all-gathers need every rank in each one."""
     import torch
 
-    input_ids, real, labels, positions = dataset.tensors
-    mine = torch.arange(rank, len(input_ids), world)
-    missing = math.ceil(len(input_ids) / world) - len(mine)
-    blank = [torch.zeros((missing, input_ids.shape[1]), dtype=torch.long) for _ in range(4)]
-    blank[0] += input_ids[0, 0]  # a real token id: the filler is never predicted
+    mine = range(rank, len(dataset), world)
+    missing = math.ceil(len(dataset) / world) - len(mine)
+    first = dataset[0][0]
+    blank = [torch.zeros((missing, len(first)), dtype=torch.long) for _ in range(4)]
+    blank[0] += first[0]  # a real token id: the filler is never predicted
     blank[2] += IGNORE
-    blank[3] += torch.arange(input_ids.shape[1])
-    parts = [torch.cat([t[mine], b]) for t, b in zip((input_ids, real, labels, positions), blank, strict=True)]
-    return torch.utils.data.TensorDataset(*parts)
+    blank[3] += torch.arange(len(first))
+    return torch.utils.data.ConcatDataset(
+        [torch.utils.data.Subset(dataset, list(mine)), torch.utils.data.TensorDataset(*blank)]
+    )
 
 
 def evaluate(model, dataset, batch_size: int, packing: bool, rank: int, world: int, device) -> dict:

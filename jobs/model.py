@@ -135,18 +135,25 @@ class Trainee:
     shape: ModelShape
 
 
+def load_tokenizer(settings, source: str | None = None):
+    """--tokenizer, else the model's (`source`: where the model is loaded from), with a pad token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer or source or settings.model,
+                                              token=os.environ.get("HF_TOKEN"))  # fmt: skip
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_model_and_tokenizer(settings, dtype: str, restored):
     """Weights from --model, or from a walkthrough-style (full) checkpoint being resumed; a sharded
     checkpoint is loaded on top afterwards (checkpoints.ShardedCheckpointer)."""
-    from transformers import AutoTokenizer
-
     full = restored is not None and not is_sharded(restored)
     with restored.as_directory() if full else nullcontext(None) as restored_dir:
         source = restored_dir or settings.model
-        tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer or source, token=os.environ.get("HF_TOKEN"))
+        tokenizer = load_tokenizer(settings, source)
         model = load_model(source, dtype)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
 
 

@@ -40,6 +40,7 @@ The last line is `JOB_RESULT_JSON: {...}` with the checkpoint path(s) and final 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -59,7 +60,8 @@ from flags import DEFAULT_RUN_PREFIX, FinetuneSettings, check_inputs, parse_args
 from loop import Progress, TrainingData, evaluate, log_every, train_epoch
 from lora import trainable_and_total
 from memory_plan import Workload, plan
-from model import Trainee, adamw, build_model
+from model import Trainee, adamw, build_model, load_tokenizer
+from prepared import data_report, prepare, print_data_report
 from run_files import (
     LOSS_PLOT,
     METRICS_FILE,
@@ -70,7 +72,6 @@ from run_files import (
     write_data_report,
     write_run_report,
 )
-from sft_data import data_report, print_data_report
 from utilisation import describe, mfu, model_flops_per_token
 
 __all__ = ["main", "parse_args", "resolve", "run", "train_loop_per_worker"]
@@ -83,7 +84,7 @@ def train_loop_per_worker(config: dict) -> None:
     import ray.train
     import torch
 
-    settings: FinetuneSettings = config["settings"]
+    settings: FinetuneSettings = config["settings"]  # and config["data"]: the prepared data's URI
     backend = get_backend(settings.backend)
     backend.prepare()
     dtype, device = settings.dtype or backend.compute_dtype, backend.device()
@@ -95,7 +96,7 @@ def train_loop_per_worker(config: dict) -> None:
     optimizer = adamw(trainee, settings)
     checkpointer = ShardedCheckpointer(trainee.model, optimizer, rank, settings.async_checkpoint)
     state = resume(restored, checkpointer, settings.storage_path, rank, world)
-    data = TrainingData(settings, trainee.tokenizer, rank, world)
+    data = TrainingData(settings, trainee.tokenizer, rank, world, config["data"])
     schedule = data.schedule(settings)
     sizes = model_sizes(trainee, settings, world, dtype)
     progress = Progress(settings.log_every or log_every(data.steps), schedule.total_steps, rank, device,
@@ -269,13 +270,13 @@ def scaling_config(settings: FinetuneSettings, workers: int):
     return ScalingConfig(num_workers=workers, use_gpu=settings.backend == "cuda", resources_per_worker={"CPU": 1})
 
 
-def trainer(settings: FinetuneSettings, workers: int, run_name: str):
+def trainer(settings: FinetuneSettings, workers: int, run_name: str, data: str):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"settings": settings},
+        train_loop_config={"settings": settings, "data": data},
         scaling_config=scaling_config(settings, workers),
         torch_config=TorchConfig(backend=get_backend(settings.backend).dist_backend),
         run_config=RunConfig(
@@ -292,15 +293,18 @@ def trainer(settings: FinetuneSettings, workers: int, run_name: str):
 
 def run(settings: FinetuneSettings) -> dict:
     settings, workers = check_inputs(settings)
-    report = data_report(settings, workers)
+    check_storage(settings.storage_path)
+    if os.environ.get("RAY_ADDRESS"):
+        connect_ray(workers)  # a job on a cluster: the data is prepared on its CPUs (Ray Data)
+    prepared = prepare(settings, load_tokenizer(settings))
+    report = data_report(settings, prepared, workers)
     print_data_report(report)
     run_name = settings.run_name or f"{DEFAULT_RUN_PREFIX}{int(time.time())}"
-    check_storage(settings.storage_path)
     report_file = write_data_report(settings.storage_path, run_name, report)
     if settings.preflight:
         return {"run_name": run_name, "data_report": report, "data_report_file": report_file}
     connect_ray(workers)
-    result = trainer(settings, workers, run_name).fit()
+    result = trainer(settings, workers, run_name, prepared.uri).fit()
     return outputs(settings, run_name, result, report)
 
 

@@ -20,6 +20,7 @@ against the training one, and every error names the file and the row.
 from __future__ import annotations
 
 import bisect
+import heapq
 import json
 import os
 import random
@@ -30,7 +31,6 @@ from dataclasses import dataclass, field
 from backend import JobInputError
 from data_formats import EVAL_SHARE, LOCAL_DATA
 from recipe import IGNORE, predicted_tokens
-from render import RecordError, conversation, detect_format, render, require_chat_template, tokenize
 
 
 def is_local(ref: str) -> bool:
@@ -215,145 +215,41 @@ def splits(settings) -> tuple[list, list, dict[str, Source]]:
     return train, held_out, loaded
 
 
-# ---- records to tokens ------------------------------------------------------------------------
-
-
-@dataclass
-class Docs:
-    """Tokenized records of one split: (input_ids, labels) each, and what happened on the way."""
-
-    items: list[tuple[list[int], list[int]]] = field(default_factory=list)
-    formats: set[str] = field(default_factory=set)
-    read: int = 0
-    truncated: int = 0
-    dropped: int = 0
-    longest: tuple[int, str] = (0, "")  # (tokens before truncation, where)
-
-    def report(self) -> dict:
-        tokens = sum(len(ids) for ids, _ in self.items)
-        predicted = sum(sum(label != IGNORE for label in labels[1:]) for _, labels in self.items)
-        return {
-            "format": ", ".join(sorted(self.formats)),
-            "records_read": self.read,
-            "records_used": len(self.items),
-            "truncated": self.truncated,
-            "dropped": self.dropped,
-            "tokens": tokens,
-            "predicted_tokens": predicted,
-            "predicted_share": predicted / tokens if tokens else 0.0,
-            "longest_record_tokens": self.longest[0],
-            "longest_record": self.longest[1],
-        }
-
-
-def render_ranges(ranges, loaded: dict[str, Source], tokenizer, settings) -> Docs:
-    """Every record of the ranges, rendered and tokenized; errors name the file and row."""
-    docs = Docs()
-    seq_len = settings.seq_len
-    for name, start, stop in ranges:
-        source = loaded[name]
-        data = source.data.rename_columns(
-            {old: new for old, new in settings.columns.items() if old in source.data.column_names}
-        )
-        fmt = detect_format(data.column_names)
-        docs.formats.add(fmt)
-        for row in range(start, stop):
-            try:
-                turns = conversation(data[row], fmt)
-                ids, labels = tokenize(render(turns, tokenizer, settings.chat_template), tokenizer,
-                                       settings.prompt_loss)  # fmt: skip
-            except RecordError as err:
-                raise JobInputError(f"{source.where(row)}: {err}") from None
-            docs.read += 1
-            if len(ids) > docs.longest[0]:
-                docs.longest = (len(ids), source.where(row))
-            if len(ids) > seq_len:
-                if settings.overlong == "drop":
-                    docs.dropped += 1
-                    continue
-                docs.truncated += 1
-                ids, labels = ids[:seq_len], labels[:seq_len]
-            docs.items.append((ids, labels))
-    return docs
-
-
-def prepare_docs(settings, tokenizer) -> tuple[Docs, Docs]:
-    """The training and eval records, checked, rendered and tokenized."""
-    if settings.chat_template:
-        require_chat_template(tokenizer, settings.tokenizer_ref)
-    train, held_out, loaded = splits(settings)
-    return render_ranges(train, loaded, tokenizer, settings), render_ranges(held_out, loaded, tokenizer, settings)
-
-
-def data_report(settings, workers: int) -> dict:
-    """Reads, checks and renders every record (errors name the file and row), on this machine's CPU,
-    and says what the run will train on; fails if the data does not fill one global batch."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_ref, token=os.environ.get("HF_TOKEN"))
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    train, held_out = prepare_docs(settings, tokenizer)
-    rows = len(examples(train.items, settings.seq_len, settings.packing, tokenizer.pad_token_id, settings.seed))
-    needed = workers * settings.batch_size * settings.grad_accum
-    if rows < needed:
-        kind = "packed rows" if settings.packing else "records"
-        raise JobInputError(f"{rows} {kind} are fewer than one global batch ({workers} workers x "
-                            f"{settings.batch_size} rows x {settings.grad_accum} accumulation = {needed})")  # fmt: skip
-    return {
-        "dataset": settings.dataset,
-        "split": settings.split,
-        "eval_split": settings.eval_split,
-        "chat_template": settings.chat_template,
-        "overlong": settings.overlong,
-        "train": train.report(),
-        "eval": held_out.report() if held_out.read else None,
-        "train_rows": rows,
-        "steps_per_epoch": rows // needed,
-    }
-
-
-def print_data_report(report: dict) -> None:
-    t = report["train"]
-    print(
-        f"data: {t['records_read']} training records ({t['format']}) from {report['dataset']} ({report['split']}), "
-        f"{t['records_used']} used ({t['truncated']} truncated, {t['dropped']} dropped at --seq-len); "
-        f"{t['tokens']:,} tokens, {t['predicted_share']:.1%} of them trained on; longest "
-        f"{t['longest_record_tokens']} tokens ({t['longest_record']}); {report['train_rows']} rows, "
-        f"{report['steps_per_epoch']} steps an epoch",
-        flush=True,
-    )
-    e = report["eval"]
-    print(f"eval: {e['records_used']} held-out records, {e['predicted_tokens']:,} tokens scored"
-          if e else "eval: none", flush=True)  # fmt: skip
-
-
 # ---- rows -------------------------------------------------------------------------------------
 
 
 def pack_rows(lengths: list[int], seq_len: int, seed: int) -> list[list[int]]:
     """Best-fit decreasing: record indices per row, every row holding at most seq_len tokens.
 
-    Ties between equal lengths, and the order of the rows, come from `seed`, so a run is
-    reproducible and different seeds mix differently.
+    Each record goes to the row with the least room that still fits it (the lowest-numbered of equals),
+    else a new row. Rows are kept in buckets by the room they have left (at most seq_len buckets), so a
+    million records pack in seconds. Ties between equal lengths, and the order of the rows, come from
+    `seed`, so a run is reproducible and different seeds mix differently.
     """
     rng = random.Random(seed)
     order = list(range(len(lengths)))
     rng.shuffle(order)
     order.sort(key=lambda i: -lengths[i])  # stable: the shuffle breaks ties
     rows: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (tokens left, row index), sorted
+    by_room: dict[int, list[int]] = {}  # room left -> a heap of the rows with exactly that room
+    rooms: list[int] = []  # the keys of by_room, sorted
     for i in order:
-        at = bisect.bisect_left(free, (lengths[i], -1))  # the tightest row it still fits in
-        if at == len(free):
+        at = bisect.bisect_left(rooms, lengths[i])  # the tightest room it still fits in
+        if at == len(rooms):
             rows.append([i])
             left, row = seq_len - lengths[i], len(rows) - 1
         else:
-            left, row = free.pop(at)
+            left, heap = rooms[at], by_room[rooms[at]]
+            row = heapq.heappop(heap)
+            if not heap:
+                del by_room[rooms.pop(at)]
             rows[row].append(i)
             left -= lengths[i]
         if left > 0:
-            bisect.insort(free, (left, row))
+            if left not in by_room:
+                by_room[left] = []
+                bisect.insort(rooms, left)
+            heapq.heappush(by_room[left], row)
     rng.shuffle(rows)
     return rows
 

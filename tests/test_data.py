@@ -48,8 +48,8 @@ FORMATS = {  # name: (file, records, extra flags, the assistant answers of one r
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_each_format_trains_on_the_assistant_turns_and_their_end_of_turn(name, tiny_assets, tmp_path, gloo_rank):
+    from prepared import prepare_docs
     from recipe import IGNORE
-    from sft_data import prepare_docs
 
     file, records, flags, answers = FORMATS[name]
     data = write(tmp_path / file, records * 24)

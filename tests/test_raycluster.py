@@ -20,7 +20,7 @@ TOKEN_ENV = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-secr
 def cfg_for(generation: str, topology: str, **raw) -> RayClusterArgs:
     """The RayCluster's arguments as __main__.py gives them from the stack's config."""
     cfg = parse_as_cli({"tpuGeneration": generation, "tpuTopology": topology, **raw}, stack="t", region="us-east5")
-    return RayClusterArgs(cfg.ray_cluster_name, cfg.namespace, cfg.slice, cfg.capacity, cfg.autopilot)
+    return RayClusterArgs(cfg.ray_cluster_name, cfg.namespace, cfg.slice, cfg.capacity, cfg.autopilot, cfg.head_cpus)
 
 
 def walkthrough_manifest(group, hosts, memory, shm, accelerator, topology, ironwood):
@@ -86,7 +86,8 @@ def walkthrough_manifest(group, hosts, memory, shm, accelerator, topology, ironw
     }
 
 
-ALWAYS_ON = {"scaleToZero": "false"}  # the walkthrough's slice, up from `up` to `destroy`
+# the walkthrough's slice, up from `up` to `destroy`, and its head, which runs no Ray work
+ALWAYS_ON = {"scaleToZero": "false", "headCpus": "0"}
 FLAVOURS = {
     "v6e": (
         cfg_for("v6e", "4x4", **ALWAYS_ON),
@@ -118,6 +119,17 @@ def test_scale_to_zero_leaves_the_replicas_to_the_job_resource(flavour):
     del expected_group["replicas"]
     expected_group.update(minReplicas=0, maxReplicas=1)
     assert default == expected
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_by_default_the_head_offers_three_cpus_to_the_data_preparation(flavour):
+    """The walkthrough's head runs no Ray work (num-cpus 0); by default three of its four CPUs prepare the
+    data (jobs/prepared.py) before the slice is asked for. Nothing else in the manifest changes."""
+    cfg, walkthrough = FLAVOURS[flavour]
+    assert parse_as_cli({}).head_cpus == 3
+    expected = copy.deepcopy(walkthrough)
+    expected["spec"]["headGroupSpec"]["rayStartParams"] = {"num-cpus": "3"}
+    assert ray_cluster_manifest(replace(cfg, head_cpus=3), IMAGE) == expected
 
 
 @pytest.fixture(scope="module")

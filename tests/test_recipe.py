@@ -73,7 +73,7 @@ def test_the_eval_loss_is_token_weighted_and_leaves_the_weights_untouched(tiny_a
 
     plain = AutoModelForCausalLM.from_pretrained(tiny_assets["model"], dtype=torch.float32).eval()
     plain.load_state_dict(before)
-    input_ids, _, labels, positions = rows.tensors
+    input_ids, _, labels, positions = (torch.stack(t) for t in zip(*(rows[i] for i in range(len(rows))), strict=True))
     with torch.no_grad():
         logits = plain(input_ids=input_ids, position_ids=positions).logits  # soft-capped, packed rows apart
     targets = labels[:, 1:]

@@ -132,7 +132,7 @@ def test_gke_path_survives_token_expiry_and_a_flaky_proxy_while_make_local_attac
     props = local_props(ray_head, tiny_assets, tmp_path, stack="gke")
     quick_retries = RetryPolicy(budget_s=props["retry_budget_s"], base_s=0.1)  # the same retries, sooner
     credentials = ShortLivedCredentials(lifetime_s=4)
-    tokens = GoogleTokens(margin_s=1.5, credentials=credentials)
+    tokens = GoogleTokens(margin_s=2.5, credentials=credentials)  # wide: a loaded machine delays requests
     logged: list[str] = []
     outputs: dict[str, dict] = {}
     tpu = FakeSlice("ray-torchtpu-cluster", "v6e-16", hosts=4)
@@ -189,6 +189,9 @@ def test_gke_path_survives_token_expiry_and_a_flaky_proxy_while_make_local_attac
         set(a["job_ids"]) == {"preflight", "collectives", "finetune"}
         and a["data_report"]["train"]["records_used"] == 80
     )
+    # the preflight prepared the data on the head's CPUs (Ray Data); the fine-tune read what it wrote
+    assert any(line.startswith("[preflight] preparing 85 records in 2 chunks on Ray Data") for line in logged)
+    assert a["data_report"]["prepared_reused"] is True
     assert [r for r in proxy.refused if r[2] == 401] == []  # refreshed before expiry, never after
     assert sum(1 for r in proxy.refused if r[2] in (0, 503)) >= 10  # the faults did happen...
     assert any("retrying in" in line for line in logged)

@@ -1,0 +1,505 @@
+"""The training data prepared once: read, checked, rendered, tokenized and laid out in rows, then
+stored under <storage>/prepared/<key>/ for every run, resume and restart with the same inputs.
+
+- **Once.** The key hashes everything that shapes the rows: the data's content (file bytes, or a
+  gs:// object's checksum and generation, or the hub dataset's fingerprint), the tokenizer and its
+  chat template, the recipe keys that change rendering or packing, --seq-len, --overlong and
+  --seed. The driver (or --preflight, on the head before the slice is asked for) prepares; a
+  second run with the same inputs finds `DONE` and renders nothing.
+- **In parallel.** The records are cut into chunks; Ray Data maps them onto every CPU the Ray
+  cluster offers (one task per chunk, each writing its own files), or, with no CPU in the cluster
+  (a head with num-cpus 0), the driver runs them itself. Megatron-LM's indexed dataset is the
+  model: per chunk, the tokens (int32) and which of them are trained (uint8), and each record's
+  length (int32); for the split, the rows as lists of records.
+- **Bounded memory.** No process holds every record's tokens: a task holds one chunk, the driver
+  only the lengths. A rank memory-maps the files and reads only the rows its sampler gives it.
+- **Every bad record found**, the first MAX_ERRORS of them in file order, each named by file and
+  line, before anything is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from functools import cache
+
+from backend import JobInputError
+from recipe import IGNORE
+from render import RecordError, conversation, detect_format, render, require_chat_template, tokenize
+from sft_data import Source, pack_rows, splits
+
+PREPARED_DIR = "prepared"
+FORMAT = 1  # bumped whenever what a preparation writes changes
+CHUNK_RECORDS = 2048
+MAX_ERRORS = 10
+SPLITS = ("train", "eval")
+
+
+# ---- what a chunk is and does -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chunk:
+    split: str  # train or eval
+    index: int  # its number within the split: files and record order follow it
+    source: str  # the loaded split it reads (datasets' name: train, test, ...)
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class SourceFiles:
+    """What a task needs to reopen a loaded split without loading it again: datasets' Arrow cache files
+    (memory-mapped), the column renames, and which file each record came from (for error messages)."""
+
+    ref: str
+    cache_files: tuple[str, ...]
+    files: tuple[tuple[str, int], ...]
+    renames: tuple[tuple[str, str], ...]
+
+
+@cache
+def _reopen(source: SourceFiles) -> Source:
+    from datasets import Dataset, concatenate_datasets
+
+    parts = [Dataset.from_file(f) for f in source.cache_files]
+    data = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
+    return Source(source.ref, data.rename_columns(dict(source.renames)), list(source.files))
+
+
+@cache
+def _tokenizer(ref: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ref, token=os.environ.get("HF_TOKEN"))
+
+
+@dataclass
+class ChunkStats:
+    read: int = 0
+    used: int = 0
+    truncated: int = 0
+    dropped: int = 0
+    tokens: int = 0
+    predicted: int = 0
+    longest: tuple[int, str] = (0, "")
+    formats: set[str] = field(default_factory=set)
+    errors: list[tuple[int, str]] = field(default_factory=list)  # (row, message), first MAX_ERRORS
+
+
+def render_chunk(chunk: Chunk, source: Source, tokenizer, settings) -> tuple[list, list, ChunkStats]:
+    """The chunk's records as (token ids, trained flags) each, truncated or dropped at --seq-len."""
+    stats, ids_out, trained_out = ChunkStats(), [], []
+    fmt = detect_format(source.data.column_names)
+    stats.formats.add(fmt)
+    columns = source.data[chunk.start : chunk.stop]  # one Arrow slice, not a lookup per record
+    records = [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+    for row, record in enumerate(records, chunk.start):
+        try:
+            turns = conversation(record, fmt)
+            ids, labels = tokenize(render(turns, tokenizer, settings.chat_template), tokenizer, settings.prompt_loss)
+        except RecordError as err:
+            if len(stats.errors) < MAX_ERRORS:
+                stats.errors.append((row, f"{source.where(row)}: {err}"))
+            continue
+        stats.read += 1
+        if len(ids) > stats.longest[0]:
+            stats.longest = (len(ids), source.where(row))
+        if len(ids) > settings.seq_len:
+            if settings.overlong == "drop":
+                stats.dropped += 1
+                continue
+            stats.truncated += 1
+            ids, labels = ids[: settings.seq_len], labels[: settings.seq_len]
+        ids_out.append(ids)
+        trained_out.append([label != IGNORE for label in labels])
+        stats.used += 1
+        stats.tokens += len(ids)
+        stats.predicted += sum(trained_out[-1][1:])
+    return ids_out, trained_out, stats
+
+
+def _npy(array) -> bytes:
+    import numpy as np
+
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
+
+
+def run_chunk(chunk: Chunk, source: SourceFiles, settings, target: str) -> dict:
+    """One task: render the chunk and write its three arrays under `target` (a URI); returns its stats."""
+    import numpy as np
+    import pyarrow.fs
+
+    ids, trained, stats = render_chunk(chunk, _reopen(source), _tokenizer(settings.tokenizer_ref), settings)
+    if not stats.errors:
+        fs, base = pyarrow.fs.FileSystem.from_uri(target)
+        directory = f"{base}/{chunk.split}"
+        fs.create_dir(directory, recursive=True)
+        arrays = {
+            "tokens": np.fromiter((t for r in ids for t in r), dtype=np.int32, count=stats.tokens),
+            "trained": np.fromiter((t for r in trained for t in r), dtype=np.uint8, count=stats.tokens),
+            "lengths": np.array([len(r) for r in ids], dtype=np.int32),
+        }
+        for name, array in arrays.items():
+            with fs.open_output_stream(f"{directory}/{chunk.index:05d}.{name}.npy") as f:
+                f.write(_npy(array))
+    return {"split": chunk.split, "index": chunk.index, **vars(stats), "formats": sorted(stats.formats),
+            "lengths": [len(r) for r in ids]}  # fmt: skip
+
+
+def chunk_row(result: dict) -> dict:
+    """A task's result as Ray Data rows hold it (Arrow columns: no mixed tuples)."""
+    longest = result.pop("longest")
+    errors = [{"row": row, "message": message} for row, message in result.pop("errors")]
+    return result | {"longest_tokens": longest[0], "longest_where": longest[1], "errors": errors}
+
+
+def run_chunks(chunks: list[Chunk], sources: dict[str, SourceFiles], settings, target: str) -> list[dict]:
+    """Every chunk, on Ray Data across the cluster's CPUs when this process is connected to a cluster that
+    has some; else here, one after another. Results in chunk order."""
+    import ray
+
+    def one(item: dict) -> dict:
+        chunk = Chunk(**item)
+        return chunk_row(run_chunk(chunk, sources[chunk.source], settings, target))
+
+    items = [vars(c) for c in chunks]
+    records = sum(c.stop - c.start for c in chunks)
+    cpus = int(ray.cluster_resources().get("CPU", 0)) if ray.is_initialized() else 0
+    if not cpus or any(not s.cache_files for s in sources.values()):
+        print(f"preparing {records:,} records in {len(chunks)} chunks in this process", flush=True)
+        return [one(item) for item in items]
+    print(f"preparing {records:,} records in {len(chunks)} chunks on Ray Data across {cpus} CPUs", flush=True)
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    # each result as one JSON string: chunks without errors and chunks with some share one Arrow schema
+    mapped = ray.data.from_items(items, override_num_blocks=len(items)).map(
+        lambda item: {"result": json.dumps(one(item))}, num_cpus=1
+    )
+    done = [json.loads(row["result"]) for row in mapped.take_all()]
+    return sorted(done, key=lambda r: (SPLITS.index(r["split"]), r["index"]))
+
+
+def source_files(source: Source, renames: dict[str, str]) -> SourceFiles:
+    cache = tuple(f["filename"] for f in source.data.cache_files)
+    kept = tuple((old, new) for old, new in renames.items() if old in source.data.column_names)
+    return SourceFiles(source.ref, cache, tuple(source.files), kept)
+
+
+def plan_chunks(split: str, ranges: list[tuple[str, int, int]], size: int | None = None) -> list[Chunk]:
+    size = size or CHUNK_RECORDS
+    chunks = []
+    for name, start, stop in ranges:
+        for a in range(start, stop, size):
+            chunks.append(Chunk(split, len(chunks), name, a, min(a + size, stop)))
+    return chunks
+
+
+def bad_records(results: list[dict]) -> JobInputError | None:
+    """The first MAX_ERRORS bad records in file order, together: one rerun of the preflight fixes them all."""
+    errors = [e["message"] for r in results for e in sorted(r["errors"], key=lambda e: e["row"])]
+    if not errors:
+        return None
+    if len(errors) == 1:
+        return JobInputError(errors[0])
+    shown = "\n  ".join(errors[:MAX_ERRORS])
+    more = " (the first 10, in file order)" if len(errors) > MAX_ERRORS else ""
+    return JobInputError(f"{min(len(errors), MAX_ERRORS)} bad records{more}:\n  {shown}")
+
+
+def split_report(results: list[dict]) -> dict:
+    """Docs.report()'s figures for one split, summed over its chunks."""
+    total = {k: sum(r[k] for r in results) for k in ("read", "used", "truncated", "dropped", "tokens", "predicted")}
+    longest = max(results, key=lambda r: r["longest_tokens"], default={"longest_tokens": 0, "longest_where": ""})
+    return {
+        "format": ", ".join(sorted({f for r in results for f in r["formats"]})),
+        "records_read": total["read"],
+        "records_used": total["used"],
+        "truncated": total["truncated"],
+        "dropped": total["dropped"],
+        "tokens": total["tokens"],
+        "predicted_tokens": total["predicted"],
+        "predicted_share": total["predicted"] / total["tokens"] if total["tokens"] else 0.0,
+        "longest_record_tokens": longest["longest_tokens"],
+        "longest_record": longest["longest_where"],
+    }
+
+
+# ---- the key ----------------------------------------------------------------------------------
+
+
+def _file_digest(name: str) -> str:
+    """A file's content: sha256 of its bytes here; a gs:// object's checksum and generation (no download)."""
+    import fsspec
+
+    if name.startswith("gs://"):
+        info = fsspec.filesystem("gs").info(name)
+        return json.dumps([info.get(k) for k in ("md5Hash", "crc32c", "generation", "size")])
+    digest = hashlib.sha256()
+    with open(name, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def data_fingerprint(settings) -> list:
+    from sft_data import data_files, is_file_source
+
+    if is_file_source(settings.dataset):
+        return [(os.path.basename(f), _file_digest(f)) for f in data_files(settings.dataset)]
+    _, _, loaded = splits(settings)  # the hub's copy, from datasets' cache after the first time
+    return [(settings.dataset, settings.dataset_config, n, s.data._fingerprint) for n, s in sorted(loaded.items())]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts = [backend.to_str() if backend is not None else repr(tokenizer.get_vocab()), tokenizer.chat_template or "",
+             tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id]  # fmt: skip
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
+
+
+def data_key(settings, tokenizer) -> str:
+    """What shapes the rows, hashed: change any of it and the data is prepared again."""
+    shaping = {
+        "format": FORMAT,
+        "data": data_fingerprint(settings),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "recipe": [settings.chat_template, settings.prompt_loss, settings.packing, sorted(settings.columns.items())],
+        "splits": [settings.split, settings.eval_split],
+        "rows": [settings.seq_len, settings.overlong, settings.seed, getattr(tokenizer, "padding_side", "right")],
+    }
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+# ---- preparing --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prepared:
+    uri: str  # <storage>/prepared/<key>
+    report: dict  # the data report: what was read, used, truncated, dropped; rows per split
+    reused: bool
+
+
+def _fs(uri: str):
+    import pyarrow.fs
+
+    return pyarrow.fs.FileSystem.from_uri(uri)
+
+
+def _exists(uri: str) -> bool:
+    import pyarrow.fs
+
+    fs, path = _fs(uri)
+    return fs.get_file_info(path).type != pyarrow.fs.FileType.NotFound
+
+
+def _write(uri: str, payload: bytes) -> None:
+    fs, path = _fs(uri)
+    with fs.open_output_stream(path) as f:
+        f.write(payload)
+
+
+def write_rows(target: str, split: str, results: list[dict], settings) -> int:
+    """The split's rows as records (packed best-fit by --seed, or one record each); returns their count."""
+    import numpy as np
+
+    lengths = [n for r in results for n in r["lengths"]]
+    layout = (
+        pack_rows(lengths, settings.seq_len, settings.seed) if settings.packing else [[i] for i in range(len(lengths))]
+    )
+    offsets = np.zeros(len(layout) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(row) for row in layout])
+    records = np.fromiter((i for row in layout for i in row), dtype=np.int32, count=int(offsets[-1]))
+    _write(f"{target}/{split}/rows.npy", _npy(records))
+    _write(f"{target}/{split}/row_offsets.npy", _npy(offsets))
+    _write(f"{target}/{split}/chunks.json", json.dumps([r["used"] for r in results]).encode())
+    return len(layout)
+
+
+def prepare(settings, tokenizer) -> Prepared:
+    """The prepared data for `settings`: found under its key, or made now (module docstring)."""
+    if settings.chat_template:
+        require_chat_template(tokenizer, settings.tokenizer_ref)
+    target = f"{settings.storage_path.rstrip('/')}/{PREPARED_DIR}/{data_key(settings, tokenizer)}"
+    if _exists(f"{target}/DONE"):
+        fs, path = _fs(f"{target}/report.json")
+        with fs.open_input_stream(path) as f:
+            return Prepared(target, json.loads(f.read()), reused=True)
+    train, held_out, loaded = splits(settings)
+    sources = {name: source_files(s, settings.columns) for name, s in loaded.items()}
+    chunks = plan_chunks("train", train) + plan_chunks("eval", held_out)
+    results = run_chunks(chunks, sources, settings, target)
+    if error := bad_records(results):
+        raise error
+    report = {}
+    for split in SPLITS:
+        mine = [r for r in results if r["split"] == split]
+        report[split] = split_report(mine) if mine else None
+        report[f"{split}_rows"] = write_rows(target, split, mine, settings) if mine else 0
+    _write(f"{target}/report.json", json.dumps(report).encode())
+    _write(f"{target}/DONE", b"")
+    return Prepared(target, report, reused=False)
+
+
+# ---- reading ----------------------------------------------------------------------------------
+
+
+def local_directory(uri: str) -> str:
+    """The prepared files on this machine's disk: in place for a local path, else copied once per machine
+    (every rank of a host shares the copy; a lock lets one copy while the others wait)."""
+    import fcntl
+
+    import pyarrow.fs
+
+    fs, path = _fs(uri)
+    if isinstance(fs, pyarrow.fs.LocalFileSystem):
+        return path
+    local = os.path.join(tempfile.gettempdir(), f"prepared-{os.path.basename(path)}")
+    with open(f"{local}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(local):
+            partial = f"{local}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            pyarrow.fs.copy_files(path, partial, source_filesystem=fs)
+            os.rename(partial, local)
+    return local
+
+
+class PreparedRows:
+    """One split's rows, read by index from memory-mapped files: each row's four tensors (input ids, real,
+    labels, positions) made when asked for, as sft_data's padded or packed examples lay them out."""
+
+    def __init__(self, directory: str, split: str, seq_len: int, pad_id: int, packing: bool, left: bool = False):
+        import numpy as np
+
+        folder = os.path.join(directory, split)
+        counts = json.loads(open(os.path.join(folder, "chunks.json")).read())
+        self.tokens = [np.load(os.path.join(folder, f"{i:05d}.tokens.npy"), mmap_mode="r") for i in range(len(counts))]
+        self.trained = [
+            np.load(os.path.join(folder, f"{i:05d}.trained.npy"), mmap_mode="r") for i in range(len(counts))
+        ]
+        lengths = [np.load(os.path.join(folder, f"{i:05d}.lengths.npy")) for i in range(len(counts))]
+        self.chunk_of = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+        self.start = np.concatenate([np.concatenate([[0], np.cumsum(n)[:-1]]) for n in lengths]).astype(np.int64)
+        self.length = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int32)
+        self.rows = np.load(os.path.join(folder, "rows.npy"), mmap_mode="r")
+        self.offsets = np.load(os.path.join(folder, "row_offsets.npy"))
+        self.seq_len, self.pad_id, self.packing, self.left = seq_len, pad_id, packing, left
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def record(self, i: int):
+        chunk, start = self.chunk_of[i], self.start[i]
+        end = start + self.length[i]
+        return self.tokens[chunk][start:end], self.trained[chunk][start:end]
+
+    def __getitem__(self, row: int):
+        import numpy as np
+        import torch
+
+        n = self.seq_len
+        input_ids, real = np.full(n, self.pad_id, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        labels, positions = np.full(n, IGNORE, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        records = [self.record(i) for i in self.rows[self.offsets[row] : self.offsets[row + 1]]]
+        at = n - sum(len(ids) for ids, _ in records) if self.left else 0
+        for ids, trained in records:
+            end = at + len(ids)
+            input_ids[at:end], real[at:end] = ids, 1
+            labels[at:end] = np.where(trained, ids, IGNORE)
+            if at:
+                labels[at] = IGNORE  # a record's first token is never predicted from what precedes it
+            positions[at:end] = np.arange(len(ids))
+            at = end
+        if not self.packing:
+            positions = np.arange(n)  # padded rows: positions as the model makes them, one per column
+        elif at < n:
+            positions[at:] = np.arange(n - at)  # the filler: a segment of its own
+        return tuple(torch.from_numpy(a) for a in (input_ids, real, labels, positions))
+
+
+# ---- the report, and the records in memory for a test ----------------------------------------
+
+
+def data_report(settings, prepared: Prepared, workers: int) -> dict:
+    """What the run will train on (prepared.report) and its steps; fails if the data does not fill one
+    global batch."""
+    rows, needed = prepared.report["train_rows"], workers * settings.batch_size * settings.grad_accum
+    if rows < needed:
+        kind = "packed rows" if settings.packing else "records"
+        raise JobInputError(f"{rows} {kind} are fewer than one global batch ({workers} workers x "
+                            f"{settings.batch_size} rows x {settings.grad_accum} accumulation = {needed})")  # fmt: skip
+    return {
+        "dataset": settings.dataset,
+        "split": settings.split,
+        "eval_split": settings.eval_split,
+        "chat_template": settings.chat_template,
+        "overlong": settings.overlong,
+        "train": prepared.report["train"],
+        "eval": prepared.report["eval"],
+        "train_rows": rows,
+        "steps_per_epoch": rows // needed,
+        "prepared": prepared.uri,
+        "prepared_reused": prepared.reused,
+    }
+
+
+def print_data_report(report: dict) -> None:
+    t = report["train"]
+    print(
+        f"data: {t['records_read']} training records ({t['format']}) from {report['dataset']} ({report['split']}), "
+        f"{t['records_used']} used ({t['truncated']} truncated, {t['dropped']} dropped at --seq-len); "
+        f"{t['tokens']:,} tokens, {t['predicted_share']:.1%} of them trained on; longest "
+        f"{t['longest_record_tokens']} tokens ({t['longest_record']}); {report['train_rows']} rows, "
+        f"{report['steps_per_epoch']} steps an epoch",
+        flush=True,
+    )
+    e = report["eval"]
+    print(f"eval: {e['records_used']} held-out records, {e['predicted_tokens']:,} tokens scored"
+          if e else "eval: none", flush=True)  # fmt: skip
+    print(f"prepared data: {report['prepared']} ({'reused' if report['prepared_reused'] else 'made now'})",
+          flush=True)  # fmt: skip
+
+
+@dataclass
+class Docs:
+    """One split's records rendered in memory: (input_ids, labels) each, and its report."""
+
+    items: list[tuple[list[int], list[int]]]
+    stats: list[dict]
+
+    def report(self) -> dict:
+        return split_report(self.stats)
+
+
+def prepare_docs(settings, tokenizer) -> tuple[Docs, Docs]:
+    """The training and eval records, checked, rendered and tokenized, in this process and memory (for
+    tests and small data: the run itself reads prepared files)."""
+    if settings.chat_template:
+        require_chat_template(tokenizer, settings.tokenizer_ref)
+    train, held_out, loaded = splits(settings)
+    out = []
+    for split, ranges in (("train", train), ("eval", held_out)):
+        items, stats = [], []
+        for chunk in plan_chunks(split, ranges):
+            source = loaded[chunk.source]
+            source = Source(source.ref, source.data.rename_columns(
+                {o: n for o, n in settings.columns.items() if o in source.data.column_names}), source.files)  # fmt: skip
+            ids, trained, chunk_stats = render_chunk(chunk, source, tokenizer, settings)
+            if error := bad_records([chunk_row(vars(chunk_stats) | {"formats": sorted(chunk_stats.formats)})]):
+                raise error
+            items += [
+                (i, [t if k else IGNORE for t, k in zip(i, m, strict=True)]) for i, m in zip(ids, trained, strict=True)
+            ]
+            stats.append(chunk_row(vars(chunk_stats) | {"formats": sorted(chunk_stats.formats)}))
+        out.append(Docs(items, stats))
+    return out[0], out[1]
