@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -161,6 +162,14 @@ def chunk_row(result: dict) -> dict:
     return result | {"longest_tokens": longest[0], "longest_where": longest[1], "errors": errors}
 
 
+def node_cpus() -> int:
+    """The CPUs Ray offers on this process's node (a head started with num-cpus 0 offers none)."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    return next((int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n["NodeID"] == here and n["Alive"]), 0)
+
+
 def run_chunks(chunks: list[Chunk], sources: dict[str, SourceFiles], settings, target: str) -> list[dict]:
     """Every chunk, on Ray Data across the cluster's CPUs when this process is connected to a cluster that
     has some; else here, one after another. Results in chunk order."""
@@ -172,7 +181,7 @@ def run_chunks(chunks: list[Chunk], sources: dict[str, SourceFiles], settings, t
 
     items = [vars(c) for c in chunks]
     records = sum(c.stop - c.start for c in chunks)
-    cpus = int(ray.cluster_resources().get("CPU", 0)) if ray.is_initialized() else 0
+    cpus = node_cpus() if ray.is_initialized() else 0
     if not cpus or any(not s.cache_files for s in sources.values()):
         print(f"preparing {records:,} records in {len(chunks)} chunks in this process", flush=True)
         return [one(item) for item in items]
@@ -180,9 +189,13 @@ def run_chunks(chunks: list[Chunk], sources: dict[str, SourceFiles], settings, t
     import ray.data
 
     ray.data.DataContext.get_current().enable_progress_bars = False
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # On this node: the tasks open datasets' Arrow files where the driver wrote them (its local disk).
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     # each result as one JSON string: chunks without errors and chunks with some share one Arrow schema
     mapped = ray.data.from_items(items, override_num_blocks=len(items)).map(
-        lambda item: {"result": json.dumps(one(item))}, num_cpus=1
+        lambda item: {"result": json.dumps(one(item))}, num_cpus=1, scheduling_strategy=here
     )
     done = [json.loads(row["result"]) for row in mapped.take_all()]
     return sorted(done, key=lambda r: (SPLITS.index(r["split"]), r["index"]))
@@ -325,8 +338,9 @@ def write_rows(target: str, split: str, results: list[dict], settings) -> int:
     return len(layout)
 
 
-def prepare(settings, tokenizer) -> Prepared:
-    """The prepared data for `settings`: found under its key, or made now (module docstring)."""
+def prepare(settings, tokenizer, before_work: Callable[[], None] = lambda: None) -> Prepared:
+    """The prepared data for `settings`: found under its key, or made now (module docstring); `before_work`
+    runs only when there is work (the driver joins its Ray cluster then)."""
     if settings.chat_template:
         require_chat_template(tokenizer, settings.tokenizer_ref)
     target = f"{settings.storage_path.rstrip('/')}/{PREPARED_DIR}/{data_key(settings, tokenizer)}"
@@ -334,6 +348,7 @@ def prepare(settings, tokenizer) -> Prepared:
         fs, path = _fs(f"{target}/report.json")
         with fs.open_input_stream(path) as f:
             return Prepared(target, json.loads(f.read()), reused=True)
+    before_work()
     train, held_out, loaded = splits(settings)
     sources = {name: source_files(s, settings.columns) for name, s in loaded.items()}
     chunks = plan_chunks("train", train) + plan_chunks("eval", held_out)
@@ -369,6 +384,8 @@ def local_directory(uri: str) -> str:
         if not os.path.exists(local):
             partial = f"{local}.partial"
             shutil.rmtree(partial, ignore_errors=True)
+            for split in SPLITS:
+                os.makedirs(os.path.join(partial, split))
             pyarrow.fs.copy_files(path, partial, source_filesystem=fs)
             os.rename(partial, local)
     return local

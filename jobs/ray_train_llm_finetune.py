@@ -24,9 +24,11 @@ checkpoint per epoch); single flags override either recipe. The walkthrough's fl
 too (--model-id, --dataset-split, --num-epochs, --batch-size-per-device; --storage-path
 defaults to $STORAGE_PATH). CPU runs compute in fp32, TPU and CUDA in bf16 (--dtype overrides).
 
-Every record is read, checked and rendered by the driver before any worker starts: a bad one
-fails the job naming its file and row. --preflight stops there (the job resource runs it on the
-head before it scales the slice up). The run's directory gets data_report.json.
+Every record is read, checked, rendered and laid out in rows before any worker starts, once: the
+data is prepared under <storage>/prepared/<key> (jobs/prepared.py; on a Ray cluster's CPUs with Ray
+Data when run as a job there) and every later run with the same inputs reads it. Bad records fail
+the job naming their file and line. --preflight stops there (the job resource runs it on the head
+before it scales the slice up). The run's directory gets data_report.json.
 
 Re-running with the same --run-name and --storage-path resumes exactly where the latest
 checkpoint left off: weights, AdamW moments, RNG and data order. Inside one job, Ray Train
@@ -294,9 +296,9 @@ def trainer(settings: FinetuneSettings, workers: int, run_name: str, data: str):
 def run(settings: FinetuneSettings) -> dict:
     settings, workers = check_inputs(settings)
     check_storage(settings.storage_path)
-    if os.environ.get("RAY_ADDRESS"):
-        connect_ray(workers)  # a job on a cluster: the data is prepared on its CPUs (Ray Data)
-    prepared = prepare(settings, load_tokenizer(settings))
+    # a job on a cluster prepares the data on its CPUs (Ray Data); otherwise in this process
+    on_cluster = bool(os.environ.get("RAY_ADDRESS"))
+    prepared = prepare(settings, load_tokenizer(settings), lambda: connect_ray(workers) if on_cluster else None)
     report = data_report(settings, prepared, workers)
     print_data_report(report)
     run_name = settings.run_name or f"{DEFAULT_RUN_PREFIX}{int(time.time())}"

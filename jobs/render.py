@@ -119,7 +119,9 @@ def render_chat(turns: list[dict], tokenizer) -> Rendered:
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before, through = apply(messages[:i], prompt=True), apply(messages[: i + 1])
+        # (the conversation through its last turn is the whole text: one rendering fewer per record)
+        before = apply(messages[:i], prompt=True)
+        through = text if i == len(messages) - 1 else apply(messages[: i + 1])
         if not text.startswith(through):
             raise RecordError(
                 "the chat template renders earlier turns differently once later ones follow, so the "
@@ -158,16 +160,19 @@ def require_chat_template(tokenizer, source: str) -> None:
 
 def tokenize(rendered: Rendered, tokenizer, prompt_loss: bool) -> tuple[list[int], list[int]]:
     """(input_ids, labels), untruncated. A token is trained when its first character is."""
+    import numpy as np
+
     enc = tokenizer(rendered.text, add_special_tokens=rendered.special_tokens, return_offsets_mapping=True)
     ids = enc["input_ids"]
-
-    def trained(start: int, end: int) -> bool:
-        return end > start and any(a <= start < b for a, b in rendered.spans)
-
-    labels = [
-        t if prompt_loss or trained(*offset) else IGNORE for t, offset in zip(ids, enc["offset_mapping"], strict=True)
-    ]
-    return ids, labels
+    if prompt_loss:
+        return ids, list(ids)
+    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    trained = np.zeros(len(ids), dtype=bool)
+    for a, b in rendered.spans:
+        trained |= (a <= starts) & (starts < b)
+    trained &= ends > starts
+    return ids, np.where(trained, np.asarray(ids, dtype=np.int64), IGNORE).tolist()
 
 
 def end_of_turn_id(tokenizer) -> int | None:

@@ -72,6 +72,8 @@ def pytest_unconfigure(config):
     if getattr(config, "shared_head", None) is not None:
         config.shared_head.stop()
         shutil.rmtree(config.shared_dir, ignore_errors=True)
+    if not hasattr(config, "workerinput"):  # the controller, or a run without workers: nothing left in /tmp
+        shutil.rmtree(Path(tempfile.gettempdir()) / "gemma-tpu-scratch", ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

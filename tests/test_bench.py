@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench import data as data_bench
 from bench import finetune as bench
 
 
@@ -42,3 +43,12 @@ def test_bench_smoke_prints_the_side_by_side_table(ray_head, tmp_path, capsys):
         and "epoch 1: step_time_s" in printed
     )
     assert out["memory_ratio"] == pack["metrics"]["peak_memory_gib"] / walk["metrics"]["peak_memory_gib"]
+
+
+def test_data_bench_smoke_prepares_reuses_and_reaches_a_first_step(ray_head, tmp_path, capsys):
+    out = data_bench.main(["--out", str(tmp_path), "--sizes", "300", "--scaling-rows", "0"], head=ray_head)
+    printed = capsys.readouterr().out
+    (row,) = out["rows"]
+    assert row["records"] == 300 and 0 < row["again_share"] < 1  # the second preflight found the first's data
+    assert row["first_step_s"] > 0 and row["prepare_peak_gib"] > 0 and row["first_step_peak_gib"] > 0
+    assert "to first step" in printed and "again / first" in printed and "    300" in printed
