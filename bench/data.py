@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / ".local" / "bench")
     p.add_argument("--sizes", default="10000,100000,1000000", help="records, comma-separated")
     p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--prepare-chunk", type=int, default=2048, help="records per preparation task")
+    p.add_argument("--first-step", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the fine-tune's start to its first step")  # fmt: skip
     p.add_argument("--scaling-rows", type=int, default=100_000,
                    help="records prepared on a head of 1 CPU and of 2, for the speed-up; 0: skip")  # fmt: skip
     return p.parse_args(argv)
@@ -75,10 +78,11 @@ class PeakMemory:
         self._thread.join()
 
 
-def job_argv(assets: dict, rows: int, storage: Path, seq_len: int, *flags: str) -> list[str]:
+def job_argv(assets: dict, rows: int, storage: Path, args: argparse.Namespace, *flags: str) -> list[str]:
     return [sys.executable, str(JOB), "--backend", "cpu", "--num-workers", "2", "--model", assets["model"],
-            "--dataset", assets["dataset"], "--split", f"train[:{rows}]", "--seq-len", str(seq_len),
-            "--epochs", "1", "--log-every", "1", "--storage-path", str(storage), *flags]  # fmt: skip
+            "--dataset", assets["dataset"], "--split", f"train[:{rows}]", "--seq-len", str(args.seq_len),
+            "--prepare-chunk", str(args.prepare_chunk), "--epochs", "1", "--log-every", "1",
+            "--storage-path", str(storage), *flags]  # fmt: skip
 
 
 def timed_run(head, argv: list[str], until: str | None = None) -> tuple[float, int, int, str]:
@@ -102,21 +106,24 @@ def timed_run(head, argv: list[str], until: str | None = None) -> tuple[float, i
     output = "".join(lines)
     if (until and until not in output) or (not until and code != 0):
         raise RuntimeError(f"{' '.join(argv[2:])} failed ({code}):\n{output[-3000:]}")
-    time.sleep(3)  # the stopped run's workers go (their memory must not count in the next run)
+    time.sleep(2)  # the stopped run's workers go (their memory must not count in the next run)
     return took, memory.peak, idle, output
 
 
 def measure(head, args: argparse.Namespace, rows: int) -> dict:
     assets = make_assets(args.out, "tiny", rows)
     storage = args.out / f"data-runs-{time.time_ns()}"
-    prepare_s, prepare_peak, idle, _ = timed_run(head, job_argv(assets, rows, storage, args.seq_len, "--preflight"))
-    again_s, _, _, output = timed_run(head, job_argv(assets, rows, storage, args.seq_len, "--preflight"))
+    prepare_s, prepare_peak, idle, prepared = timed_run(head, job_argv(assets, rows, storage, args, "--preflight"))
+    again_s, _, _, output = timed_run(head, job_argv(assets, rows, storage, args, "--preflight"))
     assert "(reused)" in output, output[-2000:]
-    first_s, first_peak, _, _ = timed_run(head, job_argv(assets, rows, storage, args.seq_len), until="step 1/")
+    first_s = first_peak = None
+    if args.first_step:
+        first_s, first_peak, _, _ = timed_run(head, job_argv(assets, rows, storage, args), until="step 1/")
     return {"records": rows, "prepare_s": prepare_s, "records_per_s": rows / prepare_s,
             "prepare_peak_gib": prepare_peak / 2**30, "prepare_own_gib": (prepare_peak - idle) / 2**30,
-            "again_share": again_s / prepare_s, "first_step_s": first_s, "first_step_peak_gib": first_peak / 2**30,
-            "idle_head_gib": idle / 2**30}  # fmt: skip
+            "again_share": again_s / prepare_s, "first_step_s": first_s,
+            "first_step_peak_gib": first_peak / 2**30 if first_peak else None,
+            "idle_head_gib": idle / 2**30, "on_ray_data": "chunks on Ray Data" in prepared}  # fmt: skip
 
 
 def prepare_seconds(args: argparse.Namespace, rows: int, cpus: int) -> float:
@@ -125,7 +132,7 @@ def prepare_seconds(args: argparse.Namespace, rows: int, cpus: int) -> float:
     assets = make_assets(args.out, "tiny", rows)
     with LocalRayHead(num_cpus=cpus, log_dir=args.out) as head:
         storage = args.out / f"data-runs-{time.time_ns()}"
-        return timed_run(head, job_argv(assets, rows, storage, args.seq_len, "--preflight"))[0]
+        return timed_run(head, job_argv(assets, rows, storage, args, "--preflight"))[0]
 
 
 def table(rows: list[dict]) -> str:
@@ -133,8 +140,9 @@ def table(rows: list[dict]) -> str:
               "to first step", "first-step peak")  # fmt: skip
     cells = [header] + [
         (f"{r['records']:,}", f"{r['prepare_s']:.1f} s", f"{r['records_per_s']:,.0f}", f"{r['prepare_peak_gib']:.2f} GiB",
-         f"{r['prepare_own_gib']:.2f} GiB", f"{r['again_share']:.2f}x", f"{r['first_step_s']:.1f} s",
-         f"{r['first_step_peak_gib']:.2f} GiB")
+         f"{r['prepare_own_gib']:.2f} GiB", f"{r['again_share']:.2f}x",
+         f"{r['first_step_s']:.1f} s" if r["first_step_s"] else "-",
+         f"{r['first_step_peak_gib']:.2f} GiB" if r["first_step_peak_gib"] else "-")
         for r in rows
     ]  # fmt: skip
     widths = [max(len(c[i]) for c in cells) for i in range(len(header))]

@@ -66,6 +66,7 @@ class FinetuneSettings:
     async_checkpoint: bool
     max_failures: int
     preflight: bool
+    prepare_chunk: int  # records per task of the data's preparation
 
     @property
     def tokenizer_ref(self) -> str:
@@ -136,6 +137,8 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-checkpoint", action=switch, default=True, help="write shards while training goes on")
     p.add_argument("--max-failures", type=int, default=3, help="worker-group restarts from the latest checkpoint")
     p.add_argument("--preflight", action="store_true", help="check and render the data, write its report, stop")
+    p.add_argument("--prepare-chunk", type=int, default=2048,
+                   help="records per task of the data's preparation (in parallel once there are more than this)")  # fmt: skip
 
 
 def resolve(args: argparse.Namespace) -> FinetuneSettings:
@@ -162,6 +165,8 @@ def check_flags(settings: FinetuneSettings) -> None:
                             f"{settings.lora_alpha})")  # fmt: skip
     if settings.loss_chunk < 0:
         raise JobInputError(f"--loss-chunk must be 0 (full logits) or more (got {settings.loss_chunk})")
+    if settings.prepare_chunk < 1:
+        raise JobInputError(f"--prepare-chunk must be a positive integer (got {settings.prepare_chunk})")
     if settings.log_every is not None and settings.log_every < 1:
         raise JobInputError(f"--log-every must be a positive integer (got {settings.log_every})")
 

@@ -22,7 +22,7 @@ from checkpoints import is_sharded
 from lora import TARGET_PATTERN
 from memory_plan import ModelShape, shape_of
 from recipe import token_loss_sum
-from render import end_of_turn_id
+from render import end_of_turn_id, load_tokenizer
 
 
 def load_model(ref: str, dtype: str = "bfloat16"):
@@ -133,17 +133,6 @@ class Trainee:
     tokenizer: object
     lora: object | None
     shape: ModelShape
-
-
-def load_tokenizer(settings, source: str | None = None):
-    """--tokenizer, else the model's (`source`: where the model is loaded from), with a pad token."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer or source or settings.model,
-                                              token=os.environ.get("HF_TOKEN"))  # fmt: skip
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def load_model_and_tokenizer(settings, dtype: str, restored):

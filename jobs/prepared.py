@@ -6,9 +6,10 @@ stored under <storage>/prepared/<key>/ for every run, resume and restart with th
   chat template, the recipe keys that change rendering or packing, --seq-len, --overlong and
   --seed. The driver (or --preflight, on the head before the slice is asked for) prepares; a
   second run with the same inputs finds `DONE` and renders nothing.
-- **In parallel.** The records are cut into chunks; Ray Data maps them onto every CPU the Ray
-  cluster offers (one task per chunk, each writing its own files), or, with no CPU in the cluster
-  (a head with num-cpus 0), the driver runs them itself. Megatron-LM's indexed dataset is the
+- **In parallel.** The records are cut into chunks (--prepare-chunk); with more than one chunk's
+  work, Ray Data maps them onto every CPU of the driver's node (one task per chunk, each writing its
+  own files), or, with no CPU there (a head with num-cpus 0) or no Ray cluster, the driver runs them
+  itself. Megatron-LM's indexed dataset is the
   model: per chunk, the tokens (int32) and which of them are trained (uint8), and each record's
   length (int32); for the split, the rows as lists of records.
 - **Bounded memory.** No process holds every record's tokens: a task holds one chunk, the driver
@@ -36,7 +37,6 @@ from sft_data import Source, pack_rows, splits
 
 PREPARED_DIR = "prepared"
 FORMAT = 1  # bumped whenever what a preparation writes changes
-CHUNK_RECORDS = 2048
 MAX_ERRORS = 10
 SPLITS = ("train", "eval")
 
@@ -64,8 +64,9 @@ class SourceFiles:
     renames: tuple[tuple[str, str], ...]
 
 
-@cache
 def _reopen(source: SourceFiles) -> Source:
+    """Not cached: a task unmaps the files once its chunk is done, so its resident memory does not grow with
+    the pages of every chunk it read."""
     from datasets import Dataset, concatenate_datasets
 
     parts = [Dataset.from_file(f) for f in source.cache_files]
@@ -171,8 +172,9 @@ def node_cpus() -> int:
 
 
 def run_chunks(chunks: list[Chunk], sources: dict[str, SourceFiles], settings, target: str) -> list[dict]:
-    """Every chunk, on Ray Data across the cluster's CPUs when this process is connected to a cluster that
-    has some; else here, one after another. Results in chunk order."""
+    """Every chunk, on Ray Data across this node's CPUs when this process is connected to a Ray cluster and
+    there is more than one chunk's work (a pool of workers costs seconds to start); else here, one after
+    another. Results in chunk order."""
     import ray
 
     def one(item: dict) -> dict:
@@ -181,7 +183,7 @@ def run_chunks(chunks: list[Chunk], sources: dict[str, SourceFiles], settings, t
 
     items = [vars(c) for c in chunks]
     records = sum(c.stop - c.start for c in chunks)
-    cpus = node_cpus() if ray.is_initialized() else 0
+    cpus = node_cpus() if ray.is_initialized() and records > settings.prepare_chunk else 0
     if not cpus or any(not s.cache_files for s in sources.values()):
         print(f"preparing {records:,} records in {len(chunks)} chunks in this process", flush=True)
         return [one(item) for item in items]
@@ -207,8 +209,7 @@ def source_files(source: Source, renames: dict[str, str]) -> SourceFiles:
     return SourceFiles(source.ref, cache, tuple(source.files), kept)
 
 
-def plan_chunks(split: str, ranges: list[tuple[str, int, int]], size: int | None = None) -> list[Chunk]:
-    size = size or CHUNK_RECORDS
+def plan_chunks(split: str, ranges: list[tuple[str, int, int]], size: int) -> list[Chunk]:
     chunks = []
     for name, start, stop in ranges:
         for a in range(start, stop, size):
@@ -341,6 +342,8 @@ def write_rows(target: str, split: str, results: list[dict], settings) -> int:
 def prepare(settings, tokenizer, before_work: Callable[[], None] = lambda: None) -> Prepared:
     """The prepared data for `settings`: found under its key, or made now (module docstring); `before_work`
     runs only when there is work (the driver joins its Ray cluster then)."""
+    import pyarrow
+
     if settings.chat_template:
         require_chat_template(tokenizer, settings.tokenizer_ref)
     target = f"{settings.storage_path.rstrip('/')}/{PREPARED_DIR}/{data_key(settings, tokenizer)}"
@@ -350,8 +353,9 @@ def prepare(settings, tokenizer, before_work: Callable[[], None] = lambda: None)
             return Prepared(target, json.loads(f.read()), reused=True)
     before_work()
     train, held_out, loaded = splits(settings)
+    pyarrow.default_memory_pool().release_unused()  # what converting the files to Arrow took
     sources = {name: source_files(s, settings.columns) for name, s in loaded.items()}
-    chunks = plan_chunks("train", train) + plan_chunks("eval", held_out)
+    chunks = plan_chunks("train", train, settings.prepare_chunk) + plan_chunks("eval", held_out, settings.prepare_chunk)
     results = run_chunks(chunks, sources, settings, target)
     if error := bad_records(results):
         raise error
@@ -507,7 +511,7 @@ def prepare_docs(settings, tokenizer) -> tuple[Docs, Docs]:
     out = []
     for split, ranges in (("train", train), ("eval", held_out)):
         items, stats = [], []
-        for chunk in plan_chunks(split, ranges):
+        for chunk in plan_chunks(split, ranges, settings.prepare_chunk):
             source = loaded[chunk.source]
             source = Source(source.ref, source.data.rename_columns(
                 {o: n for o, n in settings.columns.items() if o in source.data.column_names}), source.files)  # fmt: skip

@@ -45,6 +45,7 @@ import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from backend import ACCELERATOR_TYPES, connect_ray, exit_code, get_backend, worker_print
 from checkpoints import (
@@ -62,8 +63,8 @@ from flags import DEFAULT_RUN_PREFIX, FinetuneSettings, check_inputs, parse_args
 from loop import Progress, TrainingData, evaluate, log_every, train_epoch
 from lora import trainable_and_total
 from memory_plan import Workload, plan
-from model import Trainee, adamw, build_model, load_tokenizer
 from prepared import data_report, prepare, print_data_report
+from render import load_tokenizer
 from run_files import (
     LOSS_PLOT,
     METRICS_FILE,
@@ -76,6 +77,9 @@ from run_files import (
 )
 from utilisation import describe, mfu, model_flops_per_token
 
+if TYPE_CHECKING:  # the model (and torch) are imported where they run: the preflight needs neither
+    from model import Trainee
+
 __all__ = ["main", "parse_args", "resolve", "run", "train_loop_per_worker"]
 
 
@@ -85,6 +89,7 @@ __all__ = ["main", "parse_args", "resolve", "run", "train_loop_per_worker"]
 def train_loop_per_worker(config: dict) -> None:
     import ray.train
     import torch
+    from model import adamw, build_model
 
     settings: FinetuneSettings = config["settings"]  # and config["data"]: the prepared data's URI
     backend = get_backend(settings.backend)

@@ -185,3 +185,14 @@ def end_of_turn_id(tokenizer) -> int | None:
     trained = [t for t, label in zip(ids, labels, strict=True) if label != IGNORE]
     added = tokenizer.added_tokens_decoder.get(trained[-1]) if trained else None
     return trained[-1] if added is not None and added.special else None  # a marker, not a word
+
+
+def load_tokenizer(settings, source: str | None = None):
+    """--tokenizer, else the model's (`source`: where the model is loaded from), with a pad token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer or source or settings.model,
+                                              token=os.environ.get("HF_TOKEN"))  # fmt: skip
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

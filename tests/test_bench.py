@@ -45,10 +45,13 @@ def test_bench_smoke_prints_the_side_by_side_table(ray_head, tmp_path, capsys):
     assert out["memory_ratio"] == pack["metrics"]["peak_memory_gib"] / walk["metrics"]["peak_memory_gib"]
 
 
-def test_data_bench_smoke_prepares_reuses_and_reaches_a_first_step(ray_head, tmp_path, capsys):
-    out = data_bench.main(["--out", str(tmp_path), "--sizes", "300", "--scaling-rows", "0"], head=ray_head)
+def test_data_bench_smoke_prepares_in_parallel_then_reuses(ray_head, tmp_path, capsys):
+    # 300 records (and 19 held out) in 3 tasks; the fine-tune's start is the e2e tests' (budget)
+    smoke = ["--sizes", "300", "--scaling-rows", "0", "--prepare-chunk", "150", "--no-first-step"]
+    out = data_bench.main(["--out", str(tmp_path), *smoke], head=ray_head)
     printed = capsys.readouterr().out
     (row,) = out["rows"]
     assert row["records"] == 300 and 0 < row["again_share"] < 1  # the second preflight found the first's data
-    assert row["first_step_s"] > 0 and row["prepare_peak_gib"] > 0 and row["first_step_peak_gib"] > 0
+    assert row["on_ray_data"]  # prepared in parallel, on the head's CPUs
+    assert row["prepare_s"] > 0 and row["prepare_peak_gib"] > 0 and row["first_step_s"] is None
     assert "to first step" in printed and "again / first" in printed and "    300" in printed

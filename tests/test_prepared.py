@@ -76,10 +76,8 @@ def test_a_second_preparation_reuses_the_first_and_any_change_makes_a_new_one(ti
 
 def test_bad_records_are_named_together_in_file_order(tiny_assets, tmp_path, monkeypatch, capsys):
     """Twelve bad records across several chunks: the first ten, by file and line, in one message."""
-    import prepared
     import ray_train_llm_finetune as ft
 
-    monkeypatch.setattr(prepared, "CHUNK_RECORDS", 7)
     lines = [json.dumps(DOLLY)] * 120
     bad = [3, 10, 11, 25, 40, 41, 55, 60, 70, 81, 99, 110]  # 0-based; the file's lines are these + 1
     for i in bad:
@@ -87,7 +85,8 @@ def test_bad_records_are_named_together_in_file_order(tiny_assets, tmp_path, mon
     data = tmp_path / "records.jsonl"
     data.write_text("\n".join(lines) + "\n")
     argv = ["--backend", "cpu", "--num-workers", "1", "--model", tiny_assets["model"], "--dataset", str(data),
-            "--split", "train[:112]", "--eval-split", "none", "--storage-path", str(tmp_path / "runs"), "--preflight"]  # fmt: skip
+            "--split", "train[:112]", "--eval-split", "none", "--storage-path", str(tmp_path / "runs"), "--preflight",
+            "--prepare-chunk", "7"]  # fmt: skip
     assert ft.main(argv) == 2
     err = capsys.readouterr().err
     named = [f"records.jsonl, line {i + 1}: response is empty" for i in bad if i < 112]

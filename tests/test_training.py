@@ -189,8 +189,8 @@ def test_gke_path_survives_token_expiry_and_a_flaky_proxy_while_make_local_attac
         set(a["job_ids"]) == {"preflight", "collectives", "finetune"}
         and a["data_report"]["train"]["records_used"] == 80
     )
-    # the preflight prepared the data on the head's CPUs (Ray Data); the fine-tune read what it wrote
-    assert any(line.startswith("[preflight] preparing 85 records in 2 chunks on Ray Data") for line in logged)
+    # the preflight prepared the data (in its own process: one chunk's work); the fine-tune read what it wrote
+    assert any(line.startswith("[preflight] preparing 85 records in 2 chunks in this process") for line in logged)
     assert a["data_report"]["prepared_reused"] is True
     assert [r for r in proxy.refused if r[2] == 401] == []  # refreshed before expiry, never after
     assert sum(1 for r in proxy.refused if r[2] in (0, 503)) >= 10  # the faults did happen...
