@@ -100,6 +100,17 @@ def tiny_assets(tmp_path_factory):
 
 
 @pytest.fixture
+def storage():
+    """A GCS emulator on 127.0.0.1 (fake-gcs-server) holding the bucket demo-data, for gs:// through gcsfs."""
+    from tests.gcp_standins import StorageEmulator
+
+    emulator = StorageEmulator().start()
+    emulator.create_bucket("demo-data")
+    yield emulator
+    emulator.stop()
+
+
+@pytest.fixture
 def gloo_rank(tmp_path):
     """A one-rank gloo process group in this process: the training code without Ray."""
     import torch.distributed as dist

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gcp_standins import ACCESS_TOKEN, ForbiddenStorage, StorageEmulator
+from tests.gcp_standins import ACCESS_TOKEN, ForbiddenStorage
 from tests.inprocess import settings, train
 
 CONVERSATION = {"messages": [
@@ -130,14 +130,6 @@ def test_overlong_records_are_truncated_or_dropped_and_counted(tiny_assets, tmp_
     assert (report["records_used"], report["truncated"], report["dropped"]) == (16, 0, 4)
     out = capsys.readouterr().out
     assert "data: 20 training records (prompt/completion)" in out and "16 used (0 truncated, 4 dropped" in out
-
-
-@pytest.fixture
-def storage():
-    emulator = StorageEmulator().start()
-    emulator.create_bucket("demo-data")
-    yield emulator
-    emulator.stop()
 
 
 def test_a_gs_dataset_is_read_end_to_end_with_the_pods_credentials(

@@ -95,17 +95,7 @@ def test_bad_records_are_named_together_in_file_order(tiny_assets, tmp_path, mon
     assert [s.split(str(tmp_path) + "/")[-1].split("; it must")[0] for s in shown] == named[:10]
 
 
-@pytest.fixture
-def gcs():
-    from tests.gcp_standins import StorageEmulator
-
-    emulator = StorageEmulator().start()
-    emulator.create_bucket("demo-runs")
-    yield emulator
-    emulator.stop()
-
-
-def test_prepared_in_gs_is_copied_once_to_the_machine_and_read_the_same(gcs, metadata_server, tiny_assets, tmp_path,
+def test_prepared_in_gs_is_copied_once_to_the_machine_and_read_the_same(storage, metadata_server, tiny_assets, tmp_path,
                                                                       monkeypatch):  # fmt: skip
     """On the cluster the prepared files live in gs://: a rank's machine copies them once (through the
     emulator, with the pods' credentials) and reads the same rows as from a local preparation."""
@@ -117,9 +107,9 @@ def test_prepared_in_gs_is_copied_once_to_the_machine_and_read_the_same(gcs, met
     (tmp_path / "machine").mkdir()
     config = settings(tiny_assets)
     tokenizer = tokenizer_of(tiny_assets)
-    remote = prepare(replace(config, storage_path="gs://demo-runs/ray_train_torchtpu"), tokenizer)
+    remote = prepare(replace(config, storage_path="gs://demo-data/ray_train_torchtpu"), tokenizer)
     local = prepare(replace(config, storage_path=str(tmp_path / "local")), tokenizer)
-    assert remote.uri.startswith("gs://demo-runs/ray_train_torchtpu/prepared/") and remote.report == local.report
+    assert remote.uri.startswith("gs://demo-data/ray_train_torchtpu/prepared/") and remote.report == local.report
     copied = local_directory(remote.uri)
     assert copied.startswith(str(tmp_path / "machine")) and local_directory(remote.uri) == copied  # once
     shape = (config.seq_len, tokenizer.pad_token_id, config.packing)
