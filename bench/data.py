@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / ".local" / "bench")
     p.add_argument("--sizes", default="10000,100000,1000000", help="records, comma-separated")
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--prepare-chunk", type=int, default=2048, help="records per preparation task")
+    p.add_argument("--prepare-chunk", type=int, default=None, help="records per preparation task (default: the job's)")
     p.add_argument("--first-step", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the fine-tune's start to its first step")  # fmt: skip
     p.add_argument("--scaling-rows", type=int, default=100_000,
@@ -81,8 +81,8 @@ class PeakMemory:
 def job_argv(assets: dict, rows: int, storage: Path, args: argparse.Namespace, *flags: str) -> list[str]:
     return [sys.executable, str(JOB), "--backend", "cpu", "--num-workers", "2", "--model", assets["model"],
             "--dataset", assets["dataset"], "--split", f"train[:{rows}]", "--seq-len", str(args.seq_len),
-            "--prepare-chunk", str(args.prepare_chunk), "--epochs", "1", "--log-every", "1",
-            "--storage-path", str(storage), *flags]  # fmt: skip
+            "--epochs", "1", "--log-every", "1", "--storage-path", str(storage),
+            *(["--prepare-chunk", str(args.prepare_chunk)] if args.prepare_chunk else []), *flags]  # fmt: skip
 
 
 def timed_run(head, argv: list[str], until: str | None = None) -> tuple[float, int, int, str]:

@@ -22,6 +22,11 @@ RESERVATION = re.compile(
 )
 
 
+# The Ray head pod beside the slice: the RayCluster's requests and limits (infra/raycluster.py), and the
+# bound of headCpus, the CPUs of it Ray may use (infra/config.py).
+HEAD_RESOURCES = {"cpu": "4", "memory": "16Gi"}
+
+
 def flex_start_run_minutes(job_timeout: int, ready_timeout: int) -> int:
     """How long a flex-start slice may run: provisioning, then the collectives check and the fine-tune."""
     return ready_timeout + 2 * job_timeout

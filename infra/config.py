@@ -25,6 +25,7 @@ from infra.capacity import (
     CAPACITIES,
     FLEX_START_MAX_RUN_MINUTES,
     FLEX_START_MIN_GKE,
+    HEAD_RESOURCES,
     RESERVATION,
     SliceCapacity,
     flex_start_run_minutes,
@@ -67,7 +68,7 @@ JOB_LIMITS = {
     "lossChunk": (1048576, "tokens per chunk; more than a step holds is the full logits anyway"),
     "loraRank": (1024, "far past what LoRA fine-tunes use (8 to 64)"),
     "loraAlpha": (4096, "the adapters' scale is alpha / rank"),
-    "headCpus": (4, "the head pod requests 4 CPUs (infra/raycluster.py HEAD_RESOURCES)"),
+    "headCpus": (int(HEAD_RESOURCES["cpu"]), f"the head pod requests {HEAD_RESOURCES['cpu']} CPUs"),
 }
 
 

@@ -8,7 +8,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra import PROJECT
-from infra.capacity import SliceCapacity
+from infra.capacity import HEAD_RESOURCES, SliceCapacity
 from infra.crd_wait import CrdEstablished
 from infra.tpu import TpuSlice
 
@@ -17,7 +17,6 @@ API_VERSION, KIND = "ray.io/v1", "RayCluster"
 TOKEN_SECRET = "hf-secret"
 TOKEN_KEY = "hf_api_token"
 DASHBOARD_PORT = 8265
-HEAD_RESOURCES = {"cpu": "4", "memory": "16Gi"}
 HEAD_PORTS = (("gcs", 6379), ("dashboard", DASHBOARD_PORT), ("client", 10001))
 
 

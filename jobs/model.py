@@ -141,7 +141,7 @@ def load_model_and_tokenizer(settings, dtype: str, restored):
     full = restored is not None and not is_sharded(restored)
     with restored.as_directory() if full else nullcontext(None) as restored_dir:
         source = restored_dir or settings.model
-        tokenizer = load_tokenizer(settings, source)
+        tokenizer = load_tokenizer(settings.tokenizer or source)
         model = load_model(source, dtype)
     return model, tokenizer
 

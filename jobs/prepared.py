@@ -32,8 +32,8 @@ from functools import cache
 
 from backend import JobInputError
 from recipe import IGNORE
-from render import RecordError, conversation, detect_format, render, require_chat_template, tokenize
-from sft_data import Source, pack_rows, splits
+from render import RecordError, conversation, detect_format, load_tokenizer, render, require_chat_template, tokenize
+from sft_data import Source, pack_rows, row_tensors, splits
 
 PREPARED_DIR = "prepared"
 FORMAT = 1  # bumped whenever what a preparation writes changes
@@ -74,11 +74,7 @@ def _reopen(source: SourceFiles) -> Source:
     return Source(source.ref, data.rename_columns(dict(source.renames)), list(source.files))
 
 
-@cache
-def _tokenizer(ref: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(ref, token=os.environ.get("HF_TOKEN"))
+_tokenizer = cache(load_tokenizer)  # one per task process
 
 
 @dataclass
@@ -396,8 +392,8 @@ def local_directory(uri: str) -> str:
 
 
 class PreparedRows:
-    """One split's rows, read by index from memory-mapped files: each row's four tensors (input ids, real,
-    labels, positions) made when asked for, as sft_data's padded or packed examples lay them out."""
+    """One split's rows, read by index from memory-mapped files: each row's four tensors made when asked
+    for, by sft_data.row_tensors."""
 
     def __init__(self, directory: str, split: str, seq_len: int, pad_id: int, packing: bool, left: bool = False):
         import numpy as np
@@ -426,26 +422,12 @@ class PreparedRows:
 
     def __getitem__(self, row: int):
         import numpy as np
-        import torch
 
-        n = self.seq_len
-        input_ids, real = np.full(n, self.pad_id, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        labels, positions = np.full(n, IGNORE, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        records = [self.record(i) for i in self.rows[self.offsets[row] : self.offsets[row + 1]]]
-        at = n - sum(len(ids) for ids, _ in records) if self.left else 0
-        for ids, trained in records:
-            end = at + len(ids)
-            input_ids[at:end], real[at:end] = ids, 1
-            labels[at:end] = np.where(trained, ids, IGNORE)
-            if at:
-                labels[at] = IGNORE  # a record's first token is never predicted from what precedes it
-            positions[at:end] = np.arange(len(ids))
-            at = end
-        if not self.packing:
-            positions = np.arange(n)  # padded rows: positions as the model makes them, one per column
-        elif at < n:
-            positions[at:] = np.arange(n - at)  # the filler: a segment of its own
-        return tuple(torch.from_numpy(a) for a in (input_ids, real, labels, positions))
+        records = []
+        for i in self.rows[self.offsets[row] : self.offsets[row + 1]]:
+            ids, trained = self.record(i)
+            records.append((ids, np.where(trained, ids, IGNORE)))
+        return row_tensors(records, self.seq_len, self.pad_id, self.packing, self.left)
 
 
 # ---- the report, and the records in memory for a test ----------------------------------------

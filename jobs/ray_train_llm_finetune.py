@@ -303,7 +303,9 @@ def run(settings: FinetuneSettings) -> dict:
     check_storage(settings.storage_path)
     # a job on a cluster prepares the data on its CPUs (Ray Data); otherwise in this process
     on_cluster = bool(os.environ.get("RAY_ADDRESS"))
-    prepared = prepare(settings, load_tokenizer(settings), lambda: connect_ray(workers) if on_cluster else None)
+    prepared = prepare(
+        settings, load_tokenizer(settings.tokenizer_ref), lambda: connect_ray(workers) if on_cluster else None
+    )
     report = data_report(settings, prepared, workers)
     print_data_report(report)
     run_name = settings.run_name or f"{DEFAULT_RUN_PREFIX}{int(time.time())}"

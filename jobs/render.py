@@ -187,12 +187,11 @@ def end_of_turn_id(tokenizer) -> int | None:
     return trained[-1] if added is not None and added.special else None  # a marker, not a word
 
 
-def load_tokenizer(settings, source: str | None = None):
-    """--tokenizer, else the model's (`source`: where the model is loaded from), with a pad token."""
+def load_tokenizer(ref: str):
+    """The tokenizer of a hub id or directory (--tokenizer, else the model's), with a pad token."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer or source or settings.model,
-                                              token=os.environ.get("HF_TOKEN"))  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(ref, token=os.environ.get("HF_TOKEN"))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

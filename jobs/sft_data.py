@@ -254,55 +254,53 @@ def pack_rows(lengths: list[int], seq_len: int, seed: int) -> list[list[int]]:
     return rows
 
 
-def _rows(layout: list[list[int]], docs, seq_len: int, pad_id: int, left: bool = False):
-    """Tensors for rows of records laid end to end (`left`: a single record padded on the left)."""
-    import torch
+def row_tensors(records: list, seq_len: int, pad_id: int, packing: bool, left: bool = False) -> tuple:
+    """One row's four tensors (input ids, real, labels, positions) from its records' (ids, labels).
 
-    n = len(layout)
-    input_ids = torch.full((n, seq_len), pad_id, dtype=torch.long)
-    real = torch.zeros((n, seq_len), dtype=torch.long)
-    labels = torch.full((n, seq_len), IGNORE, dtype=torch.long)
-    positions = torch.zeros((n, seq_len), dtype=torch.long)
-    for r, row in enumerate(layout):
-        at = seq_len - sum(len(docs[i][0]) for i in row) if left else 0
-        for i in row:
-            ids, doc_labels = (torch.tensor(x, dtype=torch.long) for x in docs[i])
-            end = at + len(ids)
-            input_ids[r, at:end], real[r, at:end], labels[r, at:end] = ids, 1, doc_labels
-            if at:
-                labels[r, at] = IGNORE  # a record's first token is never predicted from what precedes it
-            positions[r, at:end] = torch.arange(len(ids))
-            at = end
-        if not left:
-            positions[r, at:] = torch.arange(seq_len - at)
-    return torch.utils.data.TensorDataset(input_ids, real, labels, positions)
-
-
-def padded_examples(docs, seq_len: int, pad_id: int, padding_side: str = "right"):
-    """The walkthrough's rows: one record each, padded on the tokenizer's side; padding is never trained.
-    The model gets the attention mask, and positions as it makes them (one per column)."""
-    import torch
-
-    dataset = _rows([[i] for i in range(len(docs))], docs, seq_len, pad_id, left=padding_side == "left")
-    input_ids, real, labels, _ = dataset.tensors
-    positions = torch.arange(seq_len).expand_as(real).clone()
-    return torch.utils.data.TensorDataset(input_ids, real, labels, positions)
-
-
-def packed_examples(docs, seq_len: int, pad_id: int, seed: int):
-    """Rows of exactly seq_len: whole records end to end, then filler.
-
-    position_ids restart at 0 for every record (and for the filler, its own segment); the first
-    token of each record is never predicted from the previous one, and filler is never
-    predicted at all (labels IGNORE there).
+    Packed: the records end to end, then filler; position ids restart at 0 for every record (and for
+    the filler, a segment of its own); a record's first token is never predicted from the one before,
+    and the filler never at all. Padded (the walkthrough): one record, padded on the tokenizer's side
+    (`left`), positions as the model makes them (one per column), padding never trained.
     """
-    return _rows(pack_rows([len(ids) for ids, _ in docs], seq_len, seed), docs, seq_len, pad_id)
+    import numpy as np
+    import torch
+
+    input_ids, real = np.full(seq_len, pad_id, dtype=np.int64), np.zeros(seq_len, dtype=np.int64)
+    labels, positions = np.full(seq_len, IGNORE, dtype=np.int64), np.zeros(seq_len, dtype=np.int64)
+    at = seq_len - sum(len(ids) for ids, _ in records) if left else 0
+    for ids, doc_labels in records:
+        end = at + len(ids)
+        input_ids[at:end], real[at:end], labels[at:end] = ids, 1, doc_labels
+        if at:
+            labels[at] = IGNORE
+        positions[at:end] = np.arange(len(ids))
+        at = end
+    if not packing:
+        positions = np.arange(seq_len)
+    elif at < seq_len:
+        positions[at:] = np.arange(seq_len - at)
+    return tuple(torch.from_numpy(a) for a in (input_ids, real, labels, positions))
 
 
 def examples(docs, seq_len: int, packing: bool, pad_id: int, seed: int, padding_side: str = "right"):
-    if packing:
-        return packed_examples(docs, seq_len, pad_id, seed)
-    return padded_examples(docs, seq_len, pad_id, padding_side)
+    """Every row of records held in memory (`docs`: (ids, labels) each), packed best-fit by `seed` or
+    one record each; the prepared data (jobs/prepared.py) makes the same rows from its files."""
+    import torch
+
+    layout = pack_rows([len(ids) for ids, _ in docs], seq_len, seed) if packing else [[i] for i in range(len(docs))]
+    left = not packing and padding_side == "left"
+    rows = [row_tensors([docs[i] for i in row], seq_len, pad_id, packing, left) for row in layout]
+    if not rows:
+        return torch.utils.data.TensorDataset(*(torch.zeros((0, seq_len), dtype=torch.long) for _ in range(4)))
+    return torch.utils.data.TensorDataset(*(torch.stack(t) for t in zip(*rows, strict=True)))
+
+
+def padded_examples(docs, seq_len: int, pad_id: int, padding_side: str = "right"):
+    return examples(docs, seq_len, False, pad_id, 0, padding_side)
+
+
+def packed_examples(docs, seq_len: int, pad_id: int, seed: int):
+    return examples(docs, seq_len, True, pad_id, seed)
 
 
 def model_inputs(batch, packing: bool, device) -> dict:

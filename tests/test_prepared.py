@@ -15,9 +15,9 @@ DOLLY = {"instruction": "Describe bees.", "context": "", "response": "Bees are w
 
 
 def tokenizer_of(assets: dict):
-    from model import load_tokenizer
+    from render import load_tokenizer
 
-    return load_tokenizer(settings(assets))
+    return load_tokenizer(settings(assets).tokenizer_ref)
 
 
 @pytest.mark.parametrize(
