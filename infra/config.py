@@ -66,6 +66,10 @@ JOB_LIMITS = {
     "maxFailures": (100, "each restart reloads the model; a run failing this often has a cause to fix first"),
     "gradAccum": (1024, "micro-batches per step; a global batch this large is rarely what a fine-tune wants"),
     "lossChunk": (1048576, "tokens per chunk; more than a step holds is the full logits anyway"),
+    "maxSteps": (10_000_000, "ten million optimizer steps; no fine-tune of this size runs that long"),
+    "saveEvery": (10_000_000, "optimizer steps between checkpoints; 0 saves at epoch ends only"),
+    "evalEvery": (10_000_000, "optimizer steps between evals; 0 evaluates at epoch ends only"),
+    "evalSamples": (64, "prompts answered in lockstep by every rank at each eval, one at a time"),
     "loraRank": (1024, "far past what LoRA fine-tunes use (8 to 64)"),
     "loraAlpha": (4096, "the adapters' scale is alpha / rank"),
     "headCpus": (int(HEAD_RESOURCES["cpu"]), f"the head pod requests {HEAD_RESOURCES['cpu']} CPUs"),
@@ -89,6 +93,7 @@ class JobSettings:
     batch_size: int
     seq_len: int
     max_failures: int
+    max_steps: int  # 0: epochs decide
     learning_rate: float
     timeout_minutes: int
     recipe: str
@@ -425,6 +430,7 @@ def _job(r: _Reader, local: bool) -> JobSettings:
         batch_size=r.positive("batchSize"),
         seq_len=r.positive("seqLen"),
         max_failures=r.positive("maxFailures", minimum=0),
+        max_steps=r.positive("maxSteps", minimum=0),
         learning_rate=_learning_rate(r),
         timeout_minutes=r.positive("jobTimeoutMinutes"),
         recipe=recipe,
@@ -535,6 +541,9 @@ def _recipe_keys(r: _Reader, recipe: str, split: str) -> Recipe:
     if values["max_grad_norm"] is not None and not values["max_grad_norm"] >= 0:
         r.problem(f"{key('maxGradNorm')}: {values['max_grad_norm']} must be 0 (no clipping) or more")
     _eval_split(r, values["eval_split"], split)
+    if values["save_every"] and not values["sharded_checkpoints"]:
+        r.problem(f"{key('saveEvery')}: {values['save_every']} needs {key('shardedCheckpoints')} true (a full checkpoint "
+                  "restores the weights only, so a run could not go on from the middle of an epoch); or set it to 0")  # fmt: skip
     return Recipe(**values)
 
 

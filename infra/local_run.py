@@ -48,11 +48,22 @@ def print_outputs(outputs: dict) -> None:
     print(f"  metrics:     {json.dumps(outputs['metrics'], sort_keys=True)}")
     print("  losses:      " + "; ".join(epoch_losses(h) for h in outputs["history"]))
     print(f"  lossCurve:   {outputs['loss_curve']}  (metrics.jsonl beside it)")
+    print(f"  samples:     {outputs.get('samples')}")
+    for sample in last_samples(outputs.get("samples")):
+        print(f"    step {sample['step']}: {sample['prompt'][-60:]!r} -> {sample['completion'][:100]!r}")
     print(f"  collectives: ok={collectives['ok']} world_size={collectives['world_size']} "
           f"max_abs_diff={collectives['max_abs_diff']:.2e}")  # fmt: skip
     print(f"  jobIds:      {json.dumps(outputs['job_ids'])}")
     print(f"  sliceHours:  {outputs['slice_hours']}  (no TPU slice here; `pulumi preview -s v6e` prints the slice's "
           "costEstimate)")  # fmt: skip
+
+
+def last_samples(path: str | None) -> list[dict]:
+    """The last eval's answers in a local samples.jsonl."""
+    if not path or not Path(path).is_file():
+        return []
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["step"] == rows[-1]["step"]]
 
 
 def epoch_losses(epoch: dict) -> str:

@@ -66,7 +66,7 @@ def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
     per token; None when the record count or the model's size is unknown before the run."""
     records, model = training_records(cfg.job.dataset_split), known_model(cfg.job.model)
     base = WALKTHROUGH_TOKENS_PER_S.get(cfg.slice.generation.name)
-    if records is None or model is None or base is None:
+    if (records is None and not cfg.job.max_steps) or model is None or base is None:
         return None
     tokens_per_s = base * cfg.slice.devices / WALKTHROUGH_DEVICES * E2B_COMPUTE.active_params / model.active_params
     if cfg.job.activation_checkpointing:
@@ -76,16 +76,20 @@ def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
     recipe = cfg.job.recipe_settings
     share = (DOLLY_REAL_SHARE, 1.0) if recipe.packing else (1.0, 1.0)  # rows per record: packed or padded
     eval_share = 1 + (1 / EVAL_SHARE) / 3 if recipe.eval_split != "none" else 1  # the held-out share, forward only
-    minutes = [records * s * cfg.job.epochs * cfg.job.seq_len * eval_share / tokens_per_s / 60 for s in share]
+    if cfg.job.max_steps:  # the steps decide: each one global batch of full rows
+        rows = cfg.job.max_steps * cfg.job.batch_size * cfg.slice.devices * cfg.job.grad_accum
+        minutes = [rows * cfg.job.seq_len * eval_share / tokens_per_s / 60] * 2
+    else:
+        minutes = [records * s * cfg.job.epochs * cfg.job.seq_len * eval_share / tokens_per_s / 60 for s in share]
     return minutes[0], minutes[1]
 
 
 def unknown_run(cfg: StackConfig) -> str:
     """Why the run's length is not known at preview."""
     unknown = []
-    if training_records(cfg.job.dataset_split) is None:
+    if training_records(cfg.job.dataset_split) is None and not cfg.job.max_steps:
         unknown.append(f"the record count of datasetSplit {cfg.job.dataset_split!r} (absolute bounds, such as "
-                       "train[:1024], give it)")  # fmt: skip
+                       "train[:1024], give it; so does maxSteps)")  # fmt: skip
     if known_model(cfg.job.model) is None:
         unknown.append(f"the size of model {cfg.job.model!r} (not a Gemma 4 of infra/models.py)")
     return "unknown before the run: " + " and ".join(unknown)

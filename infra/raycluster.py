@@ -10,6 +10,7 @@ import pulumi_kubernetes as k8s
 from infra import PROJECT
 from infra.capacity import HEAD_RESOURCES, SliceCapacity
 from infra.crd_wait import CrdEstablished
+from infra.stop_hook import command as stop_hook
 from infra.tpu import TpuSlice
 
 RAYCLUSTER_CRD = "rayclusters.ray.io"
@@ -18,6 +19,11 @@ TOKEN_SECRET = "hf-secret"
 TOKEN_KEY = "hf_api_token"
 DASHBOARD_PORT = 8265
 HEAD_PORTS = (("gcs", 6379), ("dashboard", DASHBOARD_PORT), ("client", 10001))
+# A TPU worker pod's termination: the preStop hook (infra/stop_hook.py) waits up to STOP_WAIT_S for the
+# training workers' save, inside the pod's grace period. 120 s is also the most GKE gives a Spot node's
+# pods once its graceful shutdown is extended (15 s by default: docs.cloud.google.com/kubernetes-engine/
+# docs/concepts/spot-vms, "Termination and graceful shutdown of Spot VMs").
+STOP_WAIT_S, TERMINATION_GRACE_S = 110, 120
 
 
 @dataclass(frozen=True)
@@ -90,8 +96,10 @@ def ray_cluster_manifest(cluster: RayClusterArgs, image: str) -> dict:
                         "env": env,
                         "resources": {"requests": tpu.worker_resources, "limits": tpu.worker_resources},
                         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+                        "lifecycle": {"preStop": {"exec": {"command": stop_hook(STOP_WAIT_S)}}},
                     }
                 ],
+                "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
                 "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": tpu.shm_size}}],
                 "nodeSelector": selectors,
             }

@@ -23,7 +23,7 @@ from infra.runner.resilience import RetryPolicy
 
 CHECKPOINT_PREFIX = "ray_train_torchtpu"
 OUTPUT_KEYS = (
-    "checkpoint", "checkpoints", "metrics", "history", "loss_curve", "data_report", "collectives", "job_ids",
+    "checkpoint", "checkpoints", "metrics", "history", "loss_curve", "samples", "data_report", "collectives", "job_ids",
     "slice_hours", "run_hours",
 )  # fmt: skip
 # How to reach the head, how long to wait and how often to restart: changing them does not
@@ -44,6 +44,7 @@ def training_settings(cfg: StackConfig) -> dict:
         "overlong": job.overlong,
         "dataset_split": job.dataset_split,
         "epochs": job.epochs,
+        "max_steps": job.max_steps,
         "batch_size": job.batch_size,
         "seq_len": job.seq_len,
         "learning_rate": job.learning_rate,
@@ -181,7 +182,7 @@ class _TrainingJobsProvider(dynamic.ResourceProvider):
 
 
 class TrainingJobs(dynamic.Resource):
-    """Outputs: checkpoint, checkpoints, metrics, history, loss_curve, data_report, collectives, job_ids,
+    """Outputs: checkpoint, checkpoints, metrics, history, loss_curve, samples, data_report, collectives, job_ids,
     slice_hours, run_hours."""
 
     checkpoint: pulumi.Output[str]
@@ -189,6 +190,7 @@ class TrainingJobs(dynamic.Resource):
     metrics: pulumi.Output[dict]
     history: pulumi.Output[list]
     loss_curve: pulumi.Output[str]
+    samples: pulumi.Output[str]
     data_report: pulumi.Output[dict]
     slice_hours: pulumi.Output[float]
     run_hours: pulumi.Output[float]

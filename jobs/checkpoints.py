@@ -1,14 +1,17 @@
-"""The fine-tune's checkpoints: sharded per epoch, and one loadable model at the end.
+"""The fine-tune's checkpoints: sharded, every --save-every steps and per epoch, and one loadable model
+at the end.
 
-Per epoch, by default, every rank writes its own shard of the model and AdamW state with
+At each save, by default, every rank writes its own shard of the model and AdamW state with
 torch.distributed.checkpoint (DCP) straight into the run's storage, in the background; the
 training loop waits only while its shard is copied into CPU memory. A run directory looks like:
 
     <storage>/<run name>/
-        checkpoint_epoch_0003/    one Ray Train checkpoint per kept epoch
+        checkpoint_epoch_0003/    one Ray Train checkpoint per kept epoch end ...
+        checkpoint_step_0001500/  ... or step (--save-every, a save on SIGTERM)
             __0_0.distcp ...      DCP shards, one file per rank (model, AdamW moments, RNG)
             .metadata             DCP's index, written last by rank 0
-            train_state.json      epoch, per-epoch history, attempt; written once the shards are in
+            train_state.json      epoch, step, the epoch's running sums, history, evals, attempt; written
+                                  once the shards are in
         model/                    the from_pretrained export after the last epoch
         metrics.jsonl, loss.png
 
@@ -38,6 +41,11 @@ def uri(storage_path: str, fs_path: str) -> str:
 
 def epoch_dir_name(epoch: int) -> str:
     return f"checkpoint_epoch_{epoch:04d}"
+
+
+def step_dir_name(step: int) -> str:
+    """A checkpoint within an epoch (--save-every, a stop), or of a run's last, partial epoch (--max-steps)."""
+    return f"checkpoint_step_{step:07d}"
 
 
 def read_state(checkpoint) -> dict:

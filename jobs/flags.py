@@ -47,6 +47,10 @@ class FinetuneSettings:
     warmup_ratio: float
     max_grad_norm: float
     loss_chunk: int
+    save_every: int
+    eval_every: int
+    eval_samples: int
+    max_steps: int  # 0: no cap
     activation_checkpointing: bool
     lora: bool
     lora_rank: int
@@ -111,6 +115,15 @@ def _recipe_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-grad-norm", type=float, default=None, help="(recipe) clip to this norm; 0: no clipping")
     p.add_argument("--loss-chunk", type=int, default=None,
                    help="(recipe) tokens per chunk of the cross-entropy; 0: the full logits at once")  # fmt: skip
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="run this many optimizer steps, however many epochs that takes (overrides --epochs; the "
+                        "schedule is planned for them); 0: --epochs decides")  # fmt: skip
+    p.add_argument("--save-every", type=int, default=None,
+                   help="(recipe) optimizer steps between checkpoints, besides each epoch's end; 0: epoch ends only")  # fmt: skip
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="(recipe) optimizer steps between held-out evals, besides each epoch's end; 0: epoch ends only")  # fmt: skip
+    p.add_argument("--eval-samples", type=int, default=None,
+                   help="(recipe) held-out prompts answered greedily at each eval (samples.jsonl); 0: none")  # fmt: skip
     p.add_argument("--activation-checkpointing", action=switch, default=False,
                    help="recompute each decoder layer's activations in the backward pass (memory for compute)")  # fmt: skip
     p.add_argument("--lora", action=switch, default=False, help="train LoRA adapters only, the base frozen")
@@ -167,6 +180,14 @@ def check_flags(settings: FinetuneSettings) -> None:
         raise JobInputError(f"--loss-chunk must be 0 (full logits) or more (got {settings.loss_chunk})")
     if settings.prepare_chunk < 1:
         raise JobInputError(f"--prepare-chunk must be a positive integer (got {settings.prepare_chunk})")
+    for flag in ("max_steps", "save_every", "eval_every", "eval_samples"):
+        if getattr(settings, flag) < 0:
+            raise JobInputError(f"--{flag.replace('_', '-')} must be 0 or more (got {getattr(settings, flag)})")
+    if settings.save_every and not settings.sharded_checkpoints:
+        raise JobInputError(
+            f"--save-every {settings.save_every} needs sharded checkpoints: a full checkpoint restores the weights "
+            "only, so a run could not go on from the middle of an epoch (give --sharded-checkpoints or --save-every 0)"
+        )
     if settings.log_every is not None and settings.log_every < 1:
         raise JobInputError(f"--log-every must be a positive integer (got {settings.log_every})")
 

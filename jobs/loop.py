@@ -13,6 +13,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
+from functools import cache
 
 from backend import worker_print
 from recipe import IGNORE, clip_grad_norm, lr_at, predicted_tokens
@@ -50,35 +51,67 @@ class TrainingData:
         left = not settings.packing and getattr(tokenizer, "padding_side", "right") == "left"
         shape = (settings.seq_len, tokenizer.pad_token_id, settings.packing, left)
         rows = PreparedRows(directory, "train", *shape)
-        self.sampler = torch.utils.data.DistributedSampler(
-            rows, num_replicas=world, rank=rank, shuffle=True, seed=settings.seed, drop_last=True
-        )
+        self.sampler = resumable_sampler()(rows, num_replicas=world, rank=rank, shuffle=True, seed=settings.seed,
+                                           drop_last=True)  # fmt: skip
         self.loader = torch.utils.data.DataLoader(rows, batch_size=settings.batch_size, sampler=self.sampler,
                                                   drop_last=True)  # fmt: skip
+        self.rows_per_step = settings.batch_size * settings.grad_accum
         self.steps = steps_per_epoch(len(self.loader), settings.grad_accum)
         has_eval = os.path.exists(os.path.join(directory, "eval", "rows.npy"))
         self.eval = PreparedRows(directory, "eval", *shape) if has_eval else None
 
     def schedule(self, settings) -> Schedule:
-        return Schedule(settings.lr, settings.lr_schedule, settings.warmup_ratio, self.steps * settings.epochs)
+        """Planned for the steps that will run: --epochs' steps, or --max-steps, which overrides --epochs (as
+        transformers' max_steps does: the run stops there, within an epoch or after more of them)."""
+        total = settings.max_steps or self.steps * settings.epochs
+        return Schedule(settings.lr, settings.lr_schedule, settings.warmup_ratio, total)
+
+    def start(self, epoch: int, step_in_epoch: int) -> None:
+        """The loader from `step_in_epoch` of `epoch`: the order is a function of (seed, epoch), so a run
+        that goes on mid-epoch sees the very rows an unbroken one would."""
+        self.sampler.set_epoch(epoch)
+        self.sampler.skip = step_in_epoch * self.rows_per_step
 
 
-def train_step(model, optimizer, micro_batches: list, lr: float, max_grad_norm: float, packing: bool, device) -> dict:
+@cache
+def resumable_sampler() -> type:
+    """(A class made on first use: torch is imported where the loop runs, not where this module is.)"""
+    import torch
+
+    class ResumableSampler(torch.utils.data.DistributedSampler):
+        """A DistributedSampler that can start past the first `skip` indices of its epoch's order."""
+
+        skip = 0
+
+        def __iter__(self):
+            return iter(list(super().__iter__())[self.skip :])
+
+        def __len__(self) -> int:
+            return self.num_samples - self.skip
+
+    return ResumableSampler
+
+
+def train_step(model, optimizer, micro_batches: list, lr: float, max_grad_norm: float, packing: bool, device,
+               stop: bool = False) -> dict:  # fmt: skip
     """One optimizer step over one global batch (this rank's micro-batches, and every other rank's).
 
     The loss is the sum of every predicted token's loss over the global batch divided by their
     global count, which one all-reduce gives before any backward pass; FSDP sums the gradients
-    over ranks (apply_fsdp), so nothing divides twice. Returns tensors (no device sync).
+    over ranks (apply_fsdp), so nothing divides twice. The same all-reduce carries this rank's
+    request to stop (`stop`, from stopping.py): "stop" in the result says whether any rank asked.
+    Returns tensors (no device sync).
     """
     import torch
     import torch.distributed as dist
 
     counts = torch.tensor(
-        [sum(int(predicted_tokens(b[2])) for b in micro_batches), sum(int(b[1].sum()) for b in micro_batches)],
+        [sum(int(predicted_tokens(b[2])) for b in micro_batches), sum(int(b[1].sum()) for b in micro_batches),
+         float(stop)],
         dtype=torch.float32,
         device=device,
-    )
-    dist.all_reduce(counts, op=dist.ReduceOp.SUM)  # [predicted, real] over the global batch
+    )  # fmt: skip
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM)  # [predicted, real, stop requests] over the global batch
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -90,7 +123,8 @@ def train_step(model, optimizer, micro_batches: list, lr: float, max_grad_norm: 
     grad_norm = clip_grad_norm(trainable, max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss_sum": loss_sum, "predicted": counts[0], "real": counts[1], "grad_norm": grad_norm, "lr": lr}
+    return {"loss_sum": loss_sum, "predicted": counts[0], "real": counts[1], "grad_norm": grad_norm, "lr": lr,
+            "stop": counts[2]}  # fmt: skip
 
 
 def micro_batch_groups(loader, grad_accum: int):
@@ -112,31 +146,6 @@ def global_sum(*values: float, device=None) -> list[float]:
     t = t.to(device) if device is not None else t
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
-
-
-def train_epoch(model, optimizer, loader, schedule: Schedule, first_step: int, settings, device, progress) -> dict:
-    """One pass over this rank's rows; the loss is token-weighted over the whole epoch and all ranks."""
-    import torch
-
-    loss_sum = torch.zeros((), dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
-    predicted = real = 0.0
-    steps, last = 0, {}
-    for group in micro_batch_groups(loader, settings.grad_accum):
-        step = first_step + steps
-        last = train_step(model, optimizer, group, schedule.lr(step), settings.max_grad_norm, settings.packing, device)
-        loss_sum += last["loss_sum"]
-        predicted, real = predicted + float(last["predicted"]), real + float(last["real"])
-        steps += 1
-        progress.step(step, last)
-    (global_loss_sum,) = global_sum(float(loss_sum), device=device)
-    return {
-        "loss": global_loss_sum / max(predicted, 1),
-        "predicted_tokens": predicted,
-        "real_tokens": real,
-        "steps": steps,
-        "lr": last.get("lr", schedule.lr(first_step)),
-        "grad_norm": float(last["grad_norm"]) if last else None,
-    }
 
 
 def eval_rows(dataset, rank: int, world: int):
@@ -175,44 +184,65 @@ def evaluate(model, dataset, batch_size: int, packing: bool, rank: int, world: i
 
 @dataclass
 class Progress:
-    """Every `every` steps, rank 0 prints one line (step, loss, lr, grad norm, real tok/s) and writes
-    the same to TensorBoard (`board`, a run_files.TensorBoard, if any). The loss is the global one since the last
-    line: one small all-reduce at each printed step, none in between."""
+    """Every `every` steps, rank 0 prints one line (the step, the share of the run done, the epoch, loss,
+    lr, grad norm, real tok/s) and writes the same to TensorBoard (`board`, a run_files.TensorBoard, if
+    any). The loss is the global one since the last line: one small all-reduce at each printed step,
+    none in between; `since` is saved with a checkpoint so a restart prints what an unbroken run does."""
 
     every: int
     total_steps: int
     rank: int
     device: object = None
     board: object = None
-    _since: dict = field(default_factory=lambda: {"loss_sum": 0.0, "predicted": 0.0, "real": 0.0})
+    steps_per_epoch: int = 0
+    since: dict = field(default_factory=lambda: {"loss_sum": 0.0, "predicted": 0.0, "real": 0.0})
     _started: float = field(default_factory=time.perf_counter)
-    _done: int = 0
 
     def step(self, step: int, result: dict) -> None:
-        self._since["loss_sum"] += float(result["loss_sum"])  # this rank's; summed over ranks below
-        self._since["predicted"] += float(result["predicted"])
-        self._since["real"] += float(result["real"])
-        done = self._done = step + 1
+        self.since["loss_sum"] += float(result["loss_sum"])  # this rank's; summed over ranks below
+        self.since["predicted"] += float(result["predicted"])
+        self.since["real"] += float(result["real"])
+        done = step + 1
         if done % self.every and done != self.total_steps:
             return
-        (loss_sum,) = global_sum(self._since["loss_sum"], device=self.device)
+        (loss_sum,) = global_sum(self.since["loss_sum"], device=self.device)
         elapsed = time.perf_counter() - self._started
         values = {
-            "loss": loss_sum / max(self._since["predicted"], 1),
+            "loss": loss_sum / max(self.since["predicted"], 1),
             "lr": result["lr"],
             "grad_norm": float(result["grad_norm"]),
-            "real_tokens_per_s": self._since["real"] / elapsed if elapsed else 0.0,
+            "real_tokens_per_s": self.since["real"] / elapsed if elapsed else 0.0,
         }
         if self.rank == 0:
-            worker_print(
-                f"step {done}/{self.total_steps}  loss {values['loss']:.4f}  lr {values['lr']:.3g}  "
-                f"grad_norm {values['grad_norm']:.3f}  real tok/s {values['real_tokens_per_s']:,.0f}"
-            )
+            worker_print(f"{self.where(done)}  loss {values['loss']:.4f}  lr {values['lr']:.3g}  "
+                         f"grad_norm {values['grad_norm']:.3f}  real tok/s {values['real_tokens_per_s']:,.0f}")  # fmt: skip
             if self.board is not None:
                 for name, value in values.items():
                     self.board.add_scalar(f"train/{name}", value, done)
-        self._since = {"loss_sum": 0.0, "predicted": 0.0, "real": 0.0}
+        self.since = {"loss_sum": 0.0, "predicted": 0.0, "real": 0.0}
         self._started = time.perf_counter()
+
+    def where(self, done: int) -> str:
+        """`step 15/30 (50%)  epoch 1.50/2.00`: the step, the share of the run done and the epochs."""
+        share = f"step {done}/{self.total_steps} ({100 * done / max(self.total_steps, 1):.0f}%)"
+        if not self.steps_per_epoch:
+            return share
+        return f"{share}  epoch {done / self.steps_per_epoch:.2f}/{self.total_steps / self.steps_per_epoch:.2f}"
+
+    def evaluated(self, step: int, held_out: dict, samples: list[dict]) -> None:
+        """An eval's loss and answers: the log, TensorBoard (as scalars and text), then published."""
+        if self.rank != 0:
+            return
+        if held_out.get("eval_loss") is not None:
+            worker_print(f"eval at step {step}: loss {held_out['eval_loss']:.4f}")
+        for i, sample in enumerate(samples):
+            worker_print(f"  sample {i}: {sample['completion'][:160]!r}")
+        if self.board is not None:
+            if held_out.get("eval_loss") is not None:
+                self.board.add_scalar("eval/loss", held_out["eval_loss"], step)
+            for i, sample in enumerate(samples):
+                self.board.add_text(f"samples/{i}", sample_markdown(sample), step)
+            self.board.publish()
 
     def epoch(self, metrics: dict) -> None:
         """The epoch's losses into TensorBoard, whose files then go to the run's storage."""
@@ -220,12 +250,17 @@ class Progress:
             return
         for name in ("loss", "eval_loss"):
             if metrics.get(name) is not None:
-                self.board.add_scalar(f"epoch/{name}", metrics[name], self._done)
+                self.board.add_scalar(f"epoch/{name}", metrics[name], metrics["step"])
         self.board.publish()
 
     def close(self) -> None:
         if self.board is not None:
             self.board.close()
+
+
+def sample_markdown(sample: dict) -> str:
+    quote = chr(10).join("> " + line for line in sample["prompt"].splitlines())
+    return f"{quote}\n\n**model:** {sample['completion']}\n\n**reference:** {sample['reference']}"
 
 
 def log_every(steps_per_epoch_: int, lines_per_epoch: int = 10) -> int:

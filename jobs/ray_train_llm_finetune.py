@@ -47,12 +47,12 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+import stopping
 from backend import ACCELERATOR_TYPES, connect_ray, exit_code, get_backend, worker_print
 from checkpoints import (
     EXPORT_DIR,
     ShardedCheckpointer,
     committer,
-    epoch_dir_name,
     export_pretrained,
     is_sharded,
     read_state,
@@ -60,7 +60,7 @@ from checkpoints import (
     write_state,
 )
 from flags import DEFAULT_RUN_PREFIX, FinetuneSettings, check_inputs, parse_args, resolve
-from loop import Progress, TrainingData, evaluate, log_every, train_epoch
+from loop import Progress, TrainingData, log_every
 from lora import trainable_and_total
 from memory_plan import Workload, plan
 from prepared import data_report, prepare, print_data_report
@@ -68,17 +68,23 @@ from render import load_tokenizer
 from run_files import (
     LOSS_PLOT,
     METRICS_FILE,
+    SAMPLES_FILE,
     TENSORBOARD_DIR,
     check_storage,
+    last_samples,
     run_dir,
+    sample_log,
     tensorboard,
     write_data_report,
     write_run_report,
 )
+from run_loop import Hooks, TrainingRun, fresh_state
 from utilisation import describe, mfu, model_flops_per_token
 
 if TYPE_CHECKING:  # the model (and torch) are imported where they run: the preflight needs neither
     from model import Trainee
+
+REPORT_POLL_S = 0.5  # (the driver's setting reaches the controller: Ray Train propagates it)
 
 __all__ = ["main", "parse_args", "resolve", "run", "train_loop_per_worker"]
 
@@ -98,39 +104,37 @@ def train_loop_per_worker(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(settings.seed)
+    if settings.sharded_checkpoints:
+        stopping.listen()  # SIGTERM: finish the step, save it, stop (a full checkpoint could not go on from it)
     restored = ray.train.get_checkpoint()
     trainee = build_model(settings, backend, dtype, world, restored)
     optimizer = adamw(trainee, settings)
     checkpointer = ShardedCheckpointer(trainee.model, optimizer, rank, settings.async_checkpoint)
     state = resume(restored, checkpointer, settings.storage_path, rank, world)
     data = TrainingData(settings, trainee.tokenizer, rank, world, config["data"])
-    schedule = data.schedule(settings)
+    state["step"] = data.steps * state["epoch"] if state["step"] is None else state["step"]
+    progress = Progress(settings.log_every or log_every(data.steps), data.schedule(settings).total_steps, rank,
+                        device, tensorboard(ctx, rank), data.steps)  # fmt: skip
     sizes = model_sizes(trainee, settings, world, dtype)
-    progress = Progress(settings.log_every or log_every(data.steps), schedule.total_steps, rank, device,
-                        tensorboard(ctx, rank))  # fmt: skip
-    for epoch in range(state["epoch"], settings.epochs):
-        data.sampler.set_epoch(epoch)  # the order is a function of (seed, epoch): restoring the epoch restores it
-        backend.reset_peak_memory()
-        started = time.perf_counter()
-        trained = train_epoch(trainee.loss, optimizer, data.loader, schedule, epoch * data.steps, settings, device,
-                              progress)  # fmt: skip
-        elapsed = time.perf_counter() - started
-        held_out = {}
-        if data.eval is not None:
-            held_out = evaluate(trainee.loss, data.eval, settings.batch_size, settings.packing, rank, world, device)
-        metrics = epoch_metrics(settings, epoch + 1, trained, held_out, elapsed, world) | sizes | {
-            **utilisation(trainee, settings, trained["real_tokens"] / elapsed / world),
-            "peak_memory_gib": backend.peak_memory_gib(), "dtype": dtype, "attempt": state["attempt"],
-        }  # fmt: skip
-        progress.epoch(metrics)
-        # The checkpoints serialise `state` once their stall is in `metrics`.
-        state |= {"epoch": epoch + 1, "history": [*state["history"], metrics]}
+
+    def epoch_metrics_of(epoch: int, trained: dict, held_out: dict, elapsed: float) -> dict:
+        metrics = epoch_metrics(settings, epoch, trained, held_out, elapsed, world) | sizes
+        return metrics | utilisation(trainee, settings, trained["real_tokens"] / elapsed / world) | {
+            "peak_memory_gib": backend.peak_memory_gib(), "dtype": dtype, "attempt": state["attempt"]}  # fmt: skip
+
+    def save(name: str, metrics: dict, at: dict, wait: bool) -> None:
         if settings.sharded_checkpoints:
-            save_sharded(checkpointer, settings, metrics, state)
+            save_sharded(checkpointer, settings, metrics, at, name, wait)
         else:
-            save_full(trainee, metrics, state)
-        if rank == 0:
-            worker_print(json.dumps({"rank": 0, **metrics}))
+            save_full(trainee, metrics, at)
+        if "epoch_time_s" in metrics:  # an epoch's end: its peak is in its metrics
+            if rank == 0:
+                worker_print(json.dumps({"rank": 0, **metrics}))
+            backend.reset_peak_memory()
+
+    hooks = Hooks(save, epoch_metrics_of, progress, sample_log(ctx, rank, state["step"]))
+    backend.reset_peak_memory()
+    TrainingRun(trainee, optimizer, data, settings, device, rank, world, hooks).run(state)
     checkpointer.close()
     progress.close()
     if settings.sharded_checkpoints:
@@ -193,30 +197,33 @@ def epoch_metrics(settings: FinetuneSettings, epoch: int, trained: dict, held_ou
 
 
 def resume(restored, checkpointer: ShardedCheckpointer, storage_path: str, rank: int, world: int) -> dict:
-    """The training state to go on from: a fresh one, or the restored checkpoint's, with its
-    shards (model, optimizer, RNG) loaded into place; `attempt` counts the starts."""
-    # (a checkpoint from before `attempt` and `world_size` were recorded lacks them)
-    state = {"epoch": 0, "history": [], "attempt": 0, "world_size": world} | (read_state(restored) if restored else {})
+    """The training state to go on from: a fresh one, or the restored checkpoint's, with its shards
+    (model, optimizer, RNG) loaded into place; `attempt` counts the starts. (A checkpoint from before
+    steps were recorded has no "step": None, for the loop to derive from its epochs.)"""
+    saved = read_state(restored) if restored else {}
+    state = fresh_state(world) | saved | ({"step": None} if saved and "step" not in saved else {})
     if restored:
         if is_sharded(restored):
             checkpointer.load(uri(storage_path, restored.path), same_world=state["world_size"] == world)
-        worker_print(
-            f"[rank {rank}] resuming from {restored.path} after epoch {state['epoch']} (attempt {state['attempt'] + 1})"
-        )
+        at = f"step {state['step']}" if state["step"] is not None else f"epoch {state['epoch']}"
+        worker_print(f"[rank {rank}] resuming from {restored.path} after {at}, epoch {state['epoch']} done "
+                     f"(attempt {state['attempt'] + 1})")  # fmt: skip
     return state | {"attempt": state["attempt"] + 1, "world_size": world}
 
 
-def save_sharded(checkpointer: ShardedCheckpointer, settings: FinetuneSettings, metrics: dict, state: dict) -> None:
+def save_sharded(checkpointer: ShardedCheckpointer, settings: FinetuneSettings, metrics: dict, state: dict,
+                 name: str, wait: bool = False) -> None:  # fmt: skip
     """Every rank writes its shard straight into the run's storage; all ranks report it.
 
     Ray registers the checkpoint once this rank's write has finished (the upload function waits
-    for it, in Ray's upload thread), so a restart never resumes from a half-written one.
+    for it, in Ray's upload thread), so a restart never resumes from a half-written one. With `wait`
+    (a stop), the write and the report happen before this returns, and until Ray Train's controller
+    has taken the report.
     """
     import ray.train
     from ray.train import CheckpointUploadMode
 
     storage = ray.train.get_context().get_storage()
-    name = epoch_dir_name(metrics["epoch"])
     directory = f"{storage.experiment_fs_path}/{name}"
     stall_started = time.perf_counter()
     written = checkpointer.save(uri(settings.storage_path, directory))
@@ -225,13 +232,16 @@ def save_sharded(checkpointer: ShardedCheckpointer, settings: FinetuneSettings, 
         metrics,
         checkpoint=ray.train.Checkpoint(directory, filesystem=storage.storage_filesystem),
         checkpoint_dir_name=name,
-        checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+        checkpoint_upload_mode=CheckpointUploadMode.SYNC if wait else CheckpointUploadMode.ASYNC,
         delete_local_checkpoint_after_upload=False,  # it is the checkpoint in storage, not a local copy
-        # a snapshot of state: the commit may run while the next epoch updates it
+        # a snapshot of state: the commit may run while the next steps update it
         checkpoint_upload_fn=committer(
             written, storage.storage_filesystem, dict(state) if checkpointer.rank == 0 else None
         ),
     )
+    if wait:
+        stopping.wait_until_taken()
+        worker_print(f"[rank {checkpointer.rank}] saved {name} in {time.perf_counter() - stall_started:.1f} s")
 
 
 def save_full(trainee: Trainee, metrics: dict, state: dict) -> None:
@@ -277,10 +287,13 @@ def scaling_config(settings: FinetuneSettings, workers: int):
     return ScalingConfig(num_workers=workers, use_gpu=settings.backend == "cuda", resources_per_worker={"CPU": 1})
 
 
-def trainer(settings: FinetuneSettings, workers: int, run_name: str, data: str):
+def trainer(settings: FinetuneSettings, workers: int, run_name: str, data: str, held_out: bool):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    # Ray Train's controller takes the workers' reports (and so registers their checkpoints) when it
+    # polls them, every 2 s by default; a worker lost just after a save would go back one more save.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(REPORT_POLL_S))
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"settings": settings, "data": data},
@@ -289,9 +302,13 @@ def trainer(settings: FinetuneSettings, workers: int, run_name: str, data: str):
         run_config=RunConfig(
             name=run_name,
             storage_path=settings.storage_path,
+            # The latest checkpoint is always kept besides (Ray Train resumes from it); the best by the
+            # held-out loss when there is an eval, else by the training loss.
             checkpoint_config=CheckpointConfig(
-                num_to_keep=1, checkpoint_score_attribute="loss", checkpoint_score_order="min"
-            ),
+                num_to_keep=1,
+                checkpoint_score_attribute="eval_loss" if held_out else "loss",
+                checkpoint_score_order="min",
+            ),  # fmt: skip
             # A dead worker (a preempted host, a crash) restarts the group from the latest checkpoint.
             failure_config=FailureConfig(max_failures=settings.max_failures),
         ),
@@ -313,7 +330,8 @@ def run(settings: FinetuneSettings) -> dict:
     if settings.preflight:
         return {"run_name": run_name, "data_report": report, "data_report_file": report_file}
     connect_ray(workers)
-    result = trainer(settings, workers, run_name, prepared.uri).fit()
+    held_out = bool((report.get("eval") or {}).get("records_used"))
+    result = trainer(settings, workers, run_name, prepared.uri, held_out).fit()
     return outputs(settings, run_name, result, report)
 
 
@@ -327,6 +345,9 @@ def outputs(settings: FinetuneSettings, run_name: str, result, report: dict) -> 
         loadable = f"{run_dir(settings.storage_path, run_name)}/{EXPORT_DIR}"
     else:
         loadable = uri(settings.storage_path, final.path) if final else None
+    samples = last_samples(settings.storage_path, run_name)
+    for sample in samples:
+        print(f"sample at step {sample['step']}: {sample['prompt'][-200:]!r}\n  -> {sample['completion']!r}")
     return {
         "run_name": run_name,
         "checkpoint": loadable,
@@ -337,6 +358,8 @@ def outputs(settings: FinetuneSettings, run_name: str, result, report: dict) -> 
         "metrics_log": report_files.get(METRICS_FILE),
         "data_report": report,
         "tensorboard": f"{run_dir(settings.storage_path, run_name)}/{TENSORBOARD_DIR}",
+        "samples": f"{run_dir(settings.storage_path, run_name)}/{SAMPLES_FILE}" if samples else None,
+        "evals": read_state(final).get("evals", []) if final else [],
     }
 
 

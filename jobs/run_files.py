@@ -11,6 +11,7 @@ from backend import JobInputError
 from checkpoints import uri
 
 METRICS_FILE, LOSS_PLOT, DATA_REPORT, TENSORBOARD_DIR = "metrics.jsonl", "loss.png", "data_report.json", "tensorboard"
+SAMPLES_FILE = "samples.jsonl"
 
 
 def check_storage(storage_path: str) -> None:
@@ -103,6 +104,9 @@ class TensorBoard:
     def add_scalar(self, name: str, value: float, step: int) -> None:
         self.writer.add_scalar(name, value, step)
 
+    def add_text(self, name: str, text: str, step: int) -> None:
+        self.writer.add_text(name, text, step)
+
     def publish(self) -> None:
         import pyarrow.fs
 
@@ -124,3 +128,45 @@ def tensorboard(ctx, rank: int) -> TensorBoard | None:
         return None
     storage = ctx.get_storage()
     return TensorBoard(storage.storage_filesystem, f"{storage.experiment_fs_path}/{TENSORBOARD_DIR}")
+
+
+class SampleLog:
+    """Rank 0's <run>/samples.jsonl: one line per prompt and eval, {"step", "prompt", "completion",
+    "reference"}, rewritten whole at each eval (object stores do not append). A restart keeps the lines
+    up to the step it goes on from: a step done again is not answered twice."""
+
+    def __init__(self, filesystem, path: str, resumed_step: int):
+        import pyarrow.fs
+
+        self.filesystem, self.path = filesystem, path
+        self.lines: list[str] = []
+        if filesystem.get_file_info(path).type == pyarrow.fs.FileType.File:
+            with filesystem.open_input_stream(path) as f:
+                kept = [line for line in f.read().decode().splitlines() if line.strip()]
+            self.lines = [line for line in kept if json.loads(line)["step"] <= resumed_step]
+
+    def add(self, step: int, samples: list[dict]) -> None:
+        self.lines += [json.dumps({"step": step, **sample}) for sample in samples]
+        with self.filesystem.open_output_stream(self.path) as f:
+            f.write("".join(line + "\n" for line in self.lines).encode())
+
+
+def sample_log(ctx, rank: int, resumed_step: int) -> SampleLog | None:
+    """Rank 0's samples.jsonl in the run's storage."""
+    if rank != 0:
+        return None
+    storage = ctx.get_storage()
+    storage.storage_filesystem.create_dir(storage.experiment_fs_path, recursive=True)
+    return SampleLog(storage.storage_filesystem, f"{storage.experiment_fs_path}/{SAMPLES_FILE}", resumed_step)
+
+
+def last_samples(storage_path: str, run_name: str) -> list[dict]:
+    """The last eval's answers in <run>/samples.jsonl (none if there is no file)."""
+    import pyarrow.fs
+
+    fs, base = pyarrow.fs.FileSystem.from_uri(run_dir(storage_path, run_name))
+    if fs.get_file_info(f"{base}/{SAMPLES_FILE}").type != pyarrow.fs.FileType.File:
+        return []
+    with fs.open_input_stream(f"{base}/{SAMPLES_FILE}") as f:
+        rows = [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+    return [r for r in rows if r["step"] == rows[-1]["step"]] if rows else []

@@ -43,27 +43,57 @@ def build(settings, world: int = 1, restored=None):
     return trainee, adamw(trainee, settings)
 
 
-def train(settings, rank: int = 0, world: int = 1, epochs: int | None = None, progress=None):
-    """build + TrainingData + train_epoch (+ evaluate) as train_loop_per_worker runs them;
-    returns (trainee, history). Needs an initialised process group."""
+class DirectorySaver:
+    """run_loop's `save` hook for a test: every rank's shards and rank 0's train_state.json under
+    `root`/<checkpoint name>, synchronously (a Ray Train run reports them instead)."""
+
+    def __init__(self, checkpointer, root: str, rank: int):
+        self.checkpointer, self.root, self.rank, self.saved = checkpointer, root, rank, []
+
+    def __call__(self, name: str, metrics: dict, state: dict, wait: bool) -> None:
+        import json
+
+        self.checkpointer.save(f"{self.root}/{name}").result()
+        if self.rank == 0:
+            Path(self.root, name, "train_state.json").write_text(json.dumps(state))
+        self.saved.append(name)
+
+
+def run(settings, rank: int = 0, world: int = 1, epochs: int | None = None, progress=None, root: str | None = None,
+        resume_from: str | None = None):  # fmt: skip
+    """The per-worker loop as train_loop_per_worker runs it (build, TrainingData, run_loop.TrainingRun),
+    without Ray: checkpoints under `root` (if given), resumed from `resume_from` (a checkpoint directory
+    under it); `epochs` stops after that many epochs of the planned run. Returns (trainee, final state).
+    Needs an initialised process group."""
+    import json
+
+    import stopping
     import torch
-    from loop import Progress, TrainingData, evaluate, train_epoch
+    from checkpoints import ShardedCheckpointer
+    from loop import Progress, TrainingData
+    from run_loop import Hooks, TrainingRun, fresh_state
 
     torch.manual_seed(settings.seed)
+    if settings.sharded_checkpoints:
+        stopping.listen()
     trainee, optimizer = build(settings, world)
+    checkpointer = ShardedCheckpointer(trainee.model, optimizer, rank, use_async=False)
+    state = fresh_state(world) | {"attempt": 1}
+    if resume_from:
+        checkpointer.load(resume_from, same_world=True)
+        state = json.loads(Path(resume_from, "train_state.json").read_text())
     data = TrainingData(settings, trainee.tokenizer, rank, world)
-    schedule = data.schedule(settings)
-    progress = progress or Progress(10**9, schedule.total_steps, rank)
-    history = []
-    for epoch in range(epochs or settings.epochs):
-        data.sampler.set_epoch(epoch)
-        result = train_epoch(trainee.loss, optimizer, data.loader, schedule, epoch * data.steps, settings,
-                             torch.device("cpu"), progress)  # fmt: skip
-        if data.eval is not None:
-            result |= evaluate(trainee.loss, data.eval, settings.batch_size, settings.packing, rank, world,
-                               torch.device("cpu"))  # fmt: skip
-        history.append(result)
-    return trainee, history
+    progress = progress or Progress(10**9, data.schedule(settings).total_steps, rank)
+    save = DirectorySaver(checkpointer, root, rank) if root else (lambda *_: None)
+    hooks = Hooks(save, lambda _epoch, trained, held_out, _elapsed: trained | held_out, progress)
+    state = TrainingRun(trainee, optimizer, data, settings, torch.device("cpu"), rank, world, hooks).run(state, epochs)
+    return trainee, state
+
+
+def train(settings, rank: int = 0, world: int = 1, epochs: int | None = None, progress=None):
+    """`run` without checkpoints: (trainee, history), each epoch's training and eval results."""
+    trainee, state = run(settings, rank, world, epochs, progress)
+    return trainee, state["history"]
 
 
 def full_state(model) -> dict:
@@ -106,4 +136,65 @@ def train_ranks(config: dict, world: int, epochs: int = 1) -> dict:
             _rank_main(0, *args)
         else:
             mp.spawn(_rank_main, args=args, nprocs=world, join=True)
+        return torch.load(out, weights_only=False)
+
+
+def interrupted_progress(every: int, total_steps: int, rank: int, at: int, how: str):
+    """A Progress that, after step `at`, sends this process SIGTERM (`how` "sigterm") or fails as a lost
+    worker would (`how` "crash"); it also records the steps it saw."""
+    import signal
+
+    from loop import Progress
+
+    class Interrupting(Progress):
+        seen: list
+
+        def step(self, step: int, result: dict) -> None:
+            super().step(step, result)
+            self.seen.append(step + 1)
+            if step + 1 == at and how == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
+            if step + 1 == at and how == "crash":
+                raise ConnectionError(f"lost after step {at}")
+
+    progress = Interrupting(every, total_steps, rank)
+    progress.seen = []
+    return progress
+
+
+def _attempt_main(rank: int, world: int, rendezvous: str, config, root: str, resume_from, stop: dict, out: str):
+    """One attempt of a run on this rank: it ends, stops on request, or crashes as `stop` says."""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent.parent / "jobs")]
+    import stopping
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    at, how = stop.get(rank, (-1, ""))
+    progress = interrupted_progress(10**9, config.max_steps, rank, at, how)
+    ended = "done"
+    try:
+        trainee, state = run(config, rank, world, progress=progress, root=root, resume_from=resume_from)
+        model = full_state(trainee.model)
+    except (stopping.StopRequested, ConnectionError, RuntimeError) as err:  # (RuntimeError: a peer was lost)
+        ended, state, model = type(err).__name__, None, None
+    if rank == 0:
+        torch.save({"ended": ended, "state": state, "model": model, "seen": progress.seen}, out)
+    dist.destroy_process_group()
+
+
+def attempt(config, world: int, root: str, resume_from: str | None = None, stop: dict | None = None) -> dict:
+    """One attempt on `world` gloo ranks (processes): rank 0's {"ended", "state", "model", "seen"}."""
+    import torch
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.pt")
+        args = (world, os.path.join(tmp, "rendezvous"), config, root, resume_from, stop or {}, out)
+        mp.spawn(_attempt_main, args=args, nprocs=world, join=True)
         return torch.load(out, weights_only=False)

@@ -141,7 +141,10 @@ def test_the_estimate_by_hand_for_the_default_v6e_run():
     unknown = parse_as_cli({"datasetSplit": "train[:90%]", "evalSplit": "train[90%:]"})
     assert training_minutes(unknown) is None
     assert cost_estimate(unknown)["run"] == ("unknown before the run: the record count of datasetSplit 'train[:90%]' "
-                                             "(absolute bounds, such as train[:1024], give it)")  # fmt: skip
+                                             "(absolute bounds, such as train[:1024], give it; so does maxSteps)")  # fmt: skip
+    # maxSteps decides the run's length (overriding epochs), known or not the record count: 16 devices x 4 rows
+    for raw in ({"maxSteps": "200"}, {"maxSteps": "200", "datasetSplit": "train[:90%]", "evalSplit": "train[90%:]"}):
+        assert training_minutes(parse_as_cli(raw)) == pytest.approx((200 * 64 * 512 * (1 + 1 / 48) / 20_300 / 60,) * 2)
     line = estimate_line(cost_estimate(cfg))
     assert line.startswith("cost estimate: v6e 4x4 onDemand, $43.20/h ($2.70 per chip-hour, read 2026-08); the run: $")
     assert "(the walkthrough's always-on slice: $" in line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,7 +56,7 @@ def finetune_args(tiny_assets, dataset: str, storage: Path, run_name: str) -> li
     return [
         "--backend", "cpu", "--num-workers", "2", "--model", tiny_assets["model"], "--dataset", dataset,
         "--split", "train[:256]", "--seq-len", "128", "--lr", "1e-3", "--storage-path", str(storage),
-        "--run-name", run_name,
+        "--run-name", run_name, "--log-every", "1", "--eval-samples", "1",
     ]  # fmt: skip
 
 
@@ -77,16 +78,17 @@ def losses(history: list[dict], key: str = "loss") -> list[float]:
 @pytest.fixture(scope="module")
 def resumed(ray_head, tiny_assets, dolly288, tmp_path_factory) -> dict:
     """Job 1 is stopped (as the job resource stops one at its timeout) once epoch 1's checkpoint is in.
-    Job 2, the same command, resumes from job 1's last checkpoint; one of its RayTrainWorkers is
-    killed by pid (found through Ray's state API) once it has resumed, and Ray Train restarts the
-    group from that checkpoint inside the same job."""
-    import os
-    import signal
+    Job 2, the same command, resumes from job 1's last checkpoint; once it has trained a few steps
+    more, the TPU pods' preStop hook (infra/stop_hook.py, the manifest's very command) sends its
+    RayTrainWorkers SIGTERM: they finish the step, save it and stop, and Ray Train restarts the group
+    from that checkpoint inside the same job."""
+    import re
     import time
     import uuid
 
     from ray.util.state import list_actors
 
+    from infra import stop_hook
     from infra.runner import job_client
     from infra.runner.ray_jobs import JOBS_DIR, UPLOAD_EXCLUDES
     from infra.training import local_target
@@ -114,7 +116,7 @@ def resumed(ray_head, tiny_assets, dolly288, tmp_path_factory) -> dict:
     stopped_after = 2 if "checkpoint_epoch_0002" in snapshot.read_text() else 1
 
     second = submit("resumed")
-    resumed_line = f"after epoch {stopped_after} (attempt 2)"
+    resumed_line = f"epoch {stopped_after} done (attempt 2)"
     wait_for(lambda: resumed_line in client.get_job_logs(second), second, time.monotonic() + 120)
     # Other tests' jobs may share the head. The driver's Ray job id can lag its logs on a busy head.
     wait_for(lambda: client.get_job_info(second).job_id, second, time.monotonic() + 60)
@@ -123,14 +125,17 @@ def resumed(ray_head, tiny_assets, dolly288, tmp_path_factory) -> dict:
         address=ray_head.dashboard_url,
         filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE"), ("job_id", "=", job)],
     )
-    os.kill(workers[-1]["pid"], signal.SIGKILL)
+    resumed_at = stopped_after * int(re.search(r"(\d+) steps an epoch", client.get_job_logs(second))[1])
+    wait_for(lambda: f"step {resumed_at + 2}/" in client.get_job_logs(second), second, time.monotonic() + 120)
+    hook = stop_hook.command(60)
+    pre_stop = subprocess.run([sys.executable, *hook[1:]], capture_output=True, text=True, timeout=90)
     while not client.get_job_status(second).is_terminal():
         assert time.monotonic() < deadline + 240
         time.sleep(0.5)
     logs = client.get_job_logs(second)
     return {"status": str(client.get_job_status(second)), "logs": logs, "result": parse_result(logs),
             "storage": storage, "run_dir": storage / "run", "stopped_after": stopped_after,
-            "workers_killed_from": len(workers),
+            "workers_killed_from": len(workers), "pre_stop": pre_stop.stdout, "resumed_at": resumed_at,
             "submissions": [j.submission_id for j in client.list_jobs() if (j.submission_id or "").startswith("resumed-")],
             "second": second}  # fmt: skip
 
@@ -141,11 +146,14 @@ def test_a_stopped_run_resumes_exactly_in_a_new_job_and_a_lost_worker_is_replace
     assert resumed["workers_killed_from"] == 2
     assert resumed["status"] == "SUCCEEDED", resumed["logs"][-3000:]
     assert resumed["submissions"] == [resumed["second"]]  # one job: the group was restarted inside it
-    assert "Training failed due to worker errors" in resumed["logs"]  # Ray Train saw the loss and restarted
+    assert "asked 2 Ray Train workers to save and stop" in resumed["pre_stop"]
+    assert "StopRequested: stopped on request after step" in resumed["logs"]  # Ray Train restarted the group
+    steps = [int(m) for m in re.findall(r"step (\d+)/\d+ \(", resumed["logs"].split("(attempt 2)", 1)[1])]
+    assert len(steps) - len(set(steps)) <= 1 and max(steps) > resumed["resumed_at"] + 2  # at most one step again
     history = resumed["result"]["history"]
-    # both starts of job 2 went on from job 1's last checkpoint (attempt 1), so both are attempt 2
+    # job 2 went on from job 1's last checkpoint (attempt 2), its restart from job 2's stop save (attempt 3)
     after = resumed["stopped_after"]
-    assert [h["attempt"] for h in history] == [1] * after + [2] * (3 - after)
+    assert [h["attempt"] for h in history] == [1] * after + [3] * (3 - after)
     assert losses(history) == pytest.approx(losses(reference), rel=1e-4)
     assert losses(history, "eval_loss") == pytest.approx(losses(reference, "eval_loss"), rel=1e-4)
 

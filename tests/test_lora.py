@@ -5,6 +5,7 @@ experts, all under FSDP2 on one gloo rank in this process."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,27 +15,16 @@ from tests.inprocess import full_state, settings, train
 
 def fsdp_step_run(config, epochs: range, restored_from: str | None = None, save_to: str | None = None):
     """Epochs `epochs` of the per-worker loop (optionally loading, then saving, sharded checkpoints)."""
-    from checkpoints import ShardedCheckpointer
-    from loop import Progress, TrainingData, train_epoch
+    import shutil
 
-    from tests.inprocess import build
+    from tests.inprocess import run
 
-    torch.manual_seed(config.seed)
-    trainee, optimizer = build(config)
-    checkpointer = ShardedCheckpointer(trainee.model, optimizer, 0, use_async=False)
-    if restored_from:
-        checkpointer.load(restored_from, same_world=True)
-    data = TrainingData(config, trainee.tokenizer, 0, 1)
-    schedule = data.schedule(config)
-    losses = []
-    for epoch in epochs:
-        data.sampler.set_epoch(epoch)
-        result = train_epoch(trainee.loss, optimizer, data.loader, schedule, epoch * data.steps, config,
-                             torch.device("cpu"), Progress(10**9, schedule.total_steps, 0))  # fmt: skip
-        losses.append(result["loss"])
+    root = Path(save_to or restored_from).parent if (save_to or restored_from) else None
+    resume = restored_from and str(root / "checkpoint_epoch_0001")
+    trainee, state = run(config, epochs=epochs.stop, root=root and str(root), resume_from=resume)
     if save_to:
-        checkpointer.save(save_to).result()
-    return trainee.model, trainee.tokenizer, losses
+        shutil.copytree(root / f"checkpoint_epoch_{epochs.stop:04d}", save_to)
+    return trainee.model, trainee.tokenizer, [h["loss"] for h in state["history"][epochs.start :]]
 
 
 def adapters(state: dict) -> dict:

@@ -23,6 +23,9 @@ def cfg_for(generation: str, topology: str, **raw) -> RayClusterArgs:
     return RayClusterArgs(cfg.ray_cluster_name, cfg.namespace, cfg.slice, cfg.capacity, cfg.autopilot, cfg.head_cpus)
 
 
+STOP_HOOK_SOURCE = (Path(__file__).resolve().parent.parent / "infra" / "stop_hook.py").read_text()
+
+
 def walkthrough_manifest(group, hosts, memory, shm, accelerator, topology, ironwood):
     """The walkthrough's RayCluster for one flavour, written out by hand from SPEC.md."""
     extra_env = [{"name": "RAY_TPU_RESOURCE_PER_CHIP", "value": "2"}] if ironwood else []
@@ -41,8 +44,11 @@ def walkthrough_manifest(group, hosts, memory, shm, accelerator, topology, ironw
                         "env": [TOKEN_ENV, *extra_env],
                         "resources": {"requests": worker_resources, "limits": worker_resources},
                         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+                        # beyond the walkthrough: the training workers save before the pod goes
+                        "lifecycle": {"preStop": {"exec": {"command": ["python", "-c", STOP_HOOK_SOURCE, "110"]}}},
                     }
                 ],
+                "terminationGracePeriodSeconds": 120,
                 "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}],
                 "nodeSelector": {
                     "cloud.google.com/gke-tpu-accelerator": accelerator,

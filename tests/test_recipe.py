@@ -146,9 +146,14 @@ def test_progress_puts_tensorboard_in_the_run_storage_and_keeps_no_local_copy(gl
     progress = Progress(every=2, total_steps=3, rank=0, board=board)
     for step in range(3):
         progress.step(step, {"loss_sum": 6.0 * (step + 1), "predicted": 3.0, "real": 4.0, "lr": 0.1, "grad_norm": 1})
-    progress.epoch({"loss": 4.0, "eval_loss": 5.0})
+    sample = {"prompt": "user\nName a river.\nmodel\n", "completion": "The Nile.", "reference": "The Amazon."}
+    progress.evaluated(2, {"eval_loss": 5.5}, [sample])
+    progress.epoch({"loss": 4.0, "eval_loss": 5.0, "step": 3})
     progress.close()
     scalars = EventAccumulator(str(tmp_path / "run" / "tensorboard")).Reload()
     assert [(e.step, e.value) for e in scalars.Scalars("train/loss")] == [(2, 3.0), (3, 6.0)]  # (6 + 12) / (3 + 3)
-    assert [e.value for e in scalars.Scalars("epoch/eval_loss")] == [5.0]
+    assert [(e.step, e.value) for e in scalars.Scalars("epoch/eval_loss")] == [(3, 5.0)]
+    assert [(e.step, e.value) for e in scalars.Scalars("eval/loss")] == [(2, 5.5)]
+    (text,) = scalars.Tensors("samples/0/text_summary")
+    assert text.step == 2 and b"**model:** The Nile." in text.tensor_proto.string_val[0]
     assert local.exists() is False

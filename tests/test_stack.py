@@ -270,6 +270,10 @@ def test_training_jobs_resource(run):
         "max_grad_norm": 1.0,
         "eval_split": "auto",
         "loss_chunk": 256,
+        "max_steps": 0,
+        "save_every": 500,
+        "eval_every": 500,
+        "eval_samples": 4,
         "storage_path": f"gs://demo-project-{run.stack}-checkpoints/ray_train_torchtpu",
     }
     assert training["target"] == {

@@ -1,0 +1,70 @@
+"""What the model says: at each eval, greedy answers to the first --eval-samples held-out prompts.
+
+A prompt is a held-out record's tokens before its first trained one, as prepared (so rendered with
+the chat template, up to the model's turn); its reference is the record's trained tokens. The answer
+is up to NEW_TOKENS tokens, stopping at the end of the turn (model.stop_at_end_of_turn).
+
+Under FSDP every rank steps through generate() together (transformers' `synced_gpus=True`): each
+forward all-gathers each layer's shards, so a rank that finished keeps doing forward passes until all
+have. Every rank answers the same prompts; rank 0 keeps the answers.
+"""
+
+from __future__ import annotations
+
+NEW_TOKENS = 128
+
+
+def held_out_prompts(rows, tokenizer, settings) -> list[dict]:
+    """The first `settings.eval_samples` held-out records with a prompt: {"ids", "prompt", "reference"}.
+    None when the prompt is trained too (--prompt-loss): there is no answer to tell apart."""
+    import numpy as np
+
+    if not settings.eval_samples or settings.prompt_loss:
+        return []
+    prompts = []
+    for record in dict.fromkeys(int(i) for i in rows.rows):  # records in row order, once each
+        ids, trained = rows.record(record)
+        first = int(np.argmax(trained)) if trained.any() else 0
+        if first == 0:
+            continue
+        prompts.append({
+            "ids": np.asarray(ids[:first], dtype=np.int64),
+            "prompt": tokenizer.decode(ids[:first], skip_special_tokens=True),
+            "reference": tokenizer.decode(ids[first:][trained[first:].astype(bool)], skip_special_tokens=True),
+        })  # fmt: skip
+        if len(prompts) == settings.eval_samples:
+            break
+    return prompts
+
+
+def answer(trainee, prompts: list[dict], device, world: int) -> list[dict]:
+    """Greedy answers to `prompts` on every rank, in lockstep: [{"prompt", "completion", "reference"}]."""
+    import torch
+
+    root, model = trainee.loss, trainee.model
+    was_training = root.training
+    root.eval()
+    # generate() calls the model inside the FSDP root (model.TokenLoss), whose own parameters (the
+    # embeddings, the final norm, the tied head) are gathered by the root's forward; gather them here.
+    root.unshard()
+    try:
+        with torch.no_grad():
+            answers = [_generate(model, trainee.tokenizer, p["ids"], device, world) for p in prompts]
+    finally:
+        root.reshard()
+        root.train(was_training)
+    return [
+        {"prompt": p["prompt"], "completion": a, "reference": p["reference"]}
+        for p, a in zip(prompts, answers, strict=True)
+    ]
+
+
+def _generate(model, tokenizer, ids, device, world: int) -> str:
+    import torch
+
+    input_ids = torch.as_tensor(ids, device=device).unsqueeze(0)
+    out = model.generate(
+        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+        synced_gpus=world > 1, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    return tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True).strip()
