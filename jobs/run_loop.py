@@ -120,7 +120,9 @@ class TrainingRun:
         step, settings = state["step"], self.settings
         held_out = {}
         if ended or (settings.eval_every and step % settings.eval_every == 0):
+            started = time.perf_counter()
             held_out = self.evaluate(step)
+            running.started += time.perf_counter() - started  # the epoch's time is training time
             if held_out.get("eval_loss") is not None:
                 state = state | {"evals": [*state["evals"], {"step": step, "eval_loss": held_out["eval_loss"]}]}
         if ended or stop or (settings.save_every and step % settings.save_every == 0):

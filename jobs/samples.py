@@ -6,7 +6,7 @@ is up to NEW_TOKENS tokens, stopping at the end of the turn (model.stop_at_end_o
 
 Under FSDP every rank steps through generate() together (transformers' `synced_gpus=True`): each
 forward all-gathers each layer's shards, so a rank that finished keeps doing forward passes until all
-have. Every rank answers the same prompts; rank 0 keeps the answers.
+have. Every rank answers the same prompts, in one left-padded batch; rank 0 keeps the answers.
 """
 
 from __future__ import annotations
@@ -38,10 +38,17 @@ def held_out_prompts(rows, tokenizer, settings) -> list[dict]:
 
 
 def answer(trainee, prompts: list[dict], device, world: int) -> list[dict]:
-    """Greedy answers to `prompts` on every rank, in lockstep: [{"prompt", "completion", "reference"}]."""
+    """Greedy answers to `prompts` on every rank, in lockstep, in one batch (left-padded):
+    [{"prompt", "completion", "reference"}]."""
     import torch
 
-    root, model = trainee.loss, trainee.model
+    root, model, tokenizer = trainee.loss, trainee.model, trainee.tokenizer
+    longest = max(len(p["ids"]) for p in prompts)
+    input_ids = torch.full((len(prompts), longest), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, p in enumerate(prompts):
+        input_ids[row, longest - len(p["ids"]) :] = torch.as_tensor(p["ids"])
+        attention_mask[row, longest - len(p["ids"]) :] = 1
     was_training = root.training
     root.eval()
     # generate() calls the model inside the FSDP root (model.TokenLoss), whose own parameters (the
@@ -49,22 +56,15 @@ def answer(trainee, prompts: list[dict], device, world: int) -> list[dict]:
     root.unshard()
     try:
         with torch.no_grad():
-            answers = [_generate(model, trainee.tokenizer, p["ids"], device, world) for p in prompts]
+            out = model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=NEW_TOKENS,
+                do_sample=False, synced_gpus=world > 1, pad_token_id=tokenizer.pad_token_id,
+            )  # fmt: skip
     finally:
         root.reshard()
         root.train(was_training)
+    answers = [tokenizer.decode(row[longest:], skip_special_tokens=True).strip() for row in out]
     return [
         {"prompt": p["prompt"], "completion": a, "reference": p["reference"]}
         for p, a in zip(prompts, answers, strict=True)
     ]
-
-
-def _generate(model, tokenizer, ids, device, world: int) -> str:
-    import torch
-
-    input_ids = torch.as_tensor(ids, device=device).unsqueeze(0)
-    out = model.generate(
-        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-        synced_gpus=world > 1, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    return tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True).strip()
