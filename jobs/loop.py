@@ -45,8 +45,13 @@ class TrainingData:
         from prepared import PreparedRows, local_directory, prepare
 
         if prepared is None:
+            import fcntl
+
             scratch = os.path.join(tempfile.gettempdir(), "gemma-tpu-scratch")
-            prepared = prepare(replace(settings, storage_path=scratch), tokenizer).uri
+            os.makedirs(scratch, exist_ok=True)
+            with open(os.path.join(scratch, ".lock"), "w") as lock:  # ranks in processes of one machine: one prepares
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                prepared = prepare(replace(settings, storage_path=scratch), tokenizer).uri
         directory = local_directory(prepared)
         left = not settings.packing and getattr(tokenizer, "padding_side", "right") == "left"
         shape = (settings.seq_len, tokenizer.pad_token_id, settings.packing, left)
