@@ -69,7 +69,7 @@ JOB_LIMITS = {
     "maxSteps": (10_000_000, "ten million optimizer steps; no fine-tune of this size runs that long"),
     "saveEvery": (10_000_000, "optimizer steps between checkpoints; 0 saves at epoch ends only"),
     "evalEvery": (10_000_000, "optimizer steps between evals; 0 evaluates at epoch ends only"),
-    "evalSamples": (64, "prompts answered in lockstep by every rank at each eval, one at a time"),
+    "evalSamples": (64, "prompts every rank answers in one batch at each eval, 128 tokens each"),
     "loraRank": (1024, "far past what LoRA fine-tunes use (8 to 64)"),
     "loraAlpha": (4096, "the adapters' scale is alpha / rank"),
     "headCpus": (int(HEAD_RESOURCES["cpu"]), f"the head pod requests {HEAD_RESOURCES['cpu']} CPUs"),

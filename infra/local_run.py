@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import yaml
+from run_files import last_samples  # (a job module: infra puts jobs/ on the path)
 
 from infra import PROJECT, ROOT, config
 from infra.prices import cost_estimate, estimate_line
@@ -56,14 +57,6 @@ def print_outputs(outputs: dict) -> None:
     print(f"  jobIds:      {json.dumps(outputs['job_ids'])}")
     print(f"  sliceHours:  {outputs['slice_hours']}  (no TPU slice here; `pulumi preview -s v6e` prints the slice's "
           "costEstimate)")  # fmt: skip
-
-
-def last_samples(path: str | None) -> list[dict]:
-    """The last eval's answers in a local samples.jsonl."""
-    if not path or not Path(path).is_file():
-        return []
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [r for r in rows if r["step"] == rows[-1]["step"]]
 
 
 def epoch_losses(epoch: dict) -> str:

@@ -16,8 +16,10 @@ The default recipe is what a user would ship: each record in the model's chat te
 the prompt masked (the answer and its end-of-turn marker are trained), records packed into
 full rows, one global batch per optimizer step (the loss divided by the global count of
 predicted tokens; --grad-accum for a bigger one), linear warmup then cosine decay, gradient
-clipping, a held-out eval after every epoch (by default the records after the training slice),
-a chunked cross-entropy, and sharded checkpoints written in the background.
+clipping, a held-out eval after every epoch and every --eval-every steps (by default the records
+after the training slice) with greedy answers to --eval-samples of its prompts, a chunked
+cross-entropy, and sharded checkpoints written in the background every --save-every steps and at
+each epoch's end. --max-steps runs that many steps instead of --epochs.
 `--recipe walkthrough` is the walkthrough's instead (padded `Instruction: ... Response: ...`
 rows with the prompt in the loss, constant lr, no clipping, no eval, full logits, rank 0's full
 checkpoint per epoch); single flags override either recipe. The walkthrough's flag names work
@@ -31,12 +33,14 @@ the job naming their file and line. --preflight stops there (the job resource ru
 before it scales the slice up). The run's directory gets data_report.json.
 
 Re-running with the same --run-name and --storage-path resumes exactly where the latest
-checkpoint left off: weights, AdamW moments, RNG and data order. Inside one job, Ray Train
-restarts a failed worker group from that checkpoint up to --max-failures times. After the last
-epoch the run gets one from_pretrained directory, <run>/model (checkpoints.py shows the layout),
-with the tokenizer and its chat template. Progress lines go to the log about ten times an epoch
-and to TensorBoard under <run>/tensorboard; metrics.jsonl and loss.png come at the end.
-The last line is `JOB_RESULT_JSON: {...}` with the checkpoint path(s) and final metrics.
+checkpoint left off, mid-epoch too: weights, AdamW moments, RNG, the data's order and position, the
+schedule's step (run_loop.py). Inside one job, Ray Train restarts a failed worker group from that
+checkpoint up to --max-failures times; a worker sent SIGTERM first finishes its step and saves it
+(stopping.py), so its restart redoes nothing. After the last step the run gets one from_pretrained
+directory, <run>/model (checkpoints.py shows the layout), with the tokenizer and its chat template.
+Progress lines (step, share of the run, epoch) go to the log about ten times an epoch and to
+TensorBoard under <run>/tensorboard, the evals' answers to <run>/samples.jsonl; metrics.jsonl and
+loss.png come at the end. The last line is `JOB_RESULT_JSON: {...}` with the checkpoint path(s) and final metrics.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ from run_files import (
     write_data_report,
     write_run_report,
 )
-from run_loop import Hooks, TrainingRun, fresh_state
+from run_loop import Hooks, TrainingRun, resumed_state
 from utilisation import describe, mfu, model_flops_per_token
 
 if TYPE_CHECKING:  # the model (and torch) are imported where they run: the preflight needs neither
@@ -112,7 +116,6 @@ def train_loop_per_worker(config: dict) -> None:
     checkpointer = ShardedCheckpointer(trainee.model, optimizer, rank, settings.async_checkpoint)
     state = resume(restored, checkpointer, settings.storage_path, rank, world)
     data = TrainingData(settings, trainee.tokenizer, rank, world, config["data"])
-    state["step"] = data.steps * state["epoch"] if state["step"] is None else state["step"]
     progress = Progress(settings.log_every or log_every(data.steps), data.schedule(settings).total_steps, rank,
                         device, tensorboard(ctx, rank), data.steps)  # fmt: skip
     sizes = model_sizes(trainee, settings, world, dtype)
@@ -197,18 +200,16 @@ def epoch_metrics(settings: FinetuneSettings, epoch: int, trained: dict, held_ou
 
 
 def resume(restored, checkpointer: ShardedCheckpointer, storage_path: str, rank: int, world: int) -> dict:
-    """The training state to go on from: a fresh one, or the restored checkpoint's, with its shards
-    (model, optimizer, RNG) loaded into place; `attempt` counts the starts. (A checkpoint from before
-    steps were recorded has no "step": None, for the loop to derive from its epochs.)"""
+    """The training state to go on from (run_loop.resumed_state): a fresh one, or the restored
+    checkpoint's, with its shards (model, optimizer, RNG) loaded into place."""
     saved = read_state(restored) if restored else {}
-    state = fresh_state(world) | saved | ({"step": None} if saved and "step" not in saved else {})
+    state = resumed_state(saved, world)
     if restored:
         if is_sharded(restored):
-            checkpointer.load(uri(storage_path, restored.path), same_world=state["world_size"] == world)
-        at = f"step {state['step']}" if state["step"] is not None else f"epoch {state['epoch']}"
-        worker_print(f"[rank {rank}] resuming from {restored.path} after {at}, epoch {state['epoch']} done "
-                     f"(attempt {state['attempt'] + 1})")  # fmt: skip
-    return state | {"attempt": state["attempt"] + 1, "world_size": world}
+            checkpointer.load(uri(storage_path, restored.path), same_world=saved.get("world_size") == world)
+        worker_print(f"[rank {rank}] resuming from {restored.path} after step {state['step']}, epoch "
+                     f"{state['epoch']} done (attempt {state['attempt']})")  # fmt: skip
+    return state
 
 
 def save_sharded(checkpointer: ShardedCheckpointer, settings: FinetuneSettings, metrics: dict, state: dict,
@@ -345,7 +346,8 @@ def outputs(settings: FinetuneSettings, run_name: str, result, report: dict) -> 
         loadable = f"{run_dir(settings.storage_path, run_name)}/{EXPORT_DIR}"
     else:
         loadable = uri(settings.storage_path, final.path) if final else None
-    samples = last_samples(settings.storage_path, run_name)
+    samples_file = f"{run_dir(settings.storage_path, run_name)}/{SAMPLES_FILE}"
+    samples = last_samples(samples_file)
     for sample in samples:
         print(f"sample at step {sample['step']}: {sample['prompt'][-200:]!r}\n  -> {sample['completion']!r}")
     return {
@@ -358,7 +360,7 @@ def outputs(settings: FinetuneSettings, run_name: str, result, report: dict) -> 
         "metrics_log": report_files.get(METRICS_FILE),
         "data_report": report,
         "tensorboard": f"{run_dir(settings.storage_path, run_name)}/{TENSORBOARD_DIR}",
-        "samples": f"{run_dir(settings.storage_path, run_name)}/{SAMPLES_FILE}" if samples else None,
+        "samples": samples_file if samples else None,
         "evals": read_state(final).get("evals", []) if final else [],
     }
 

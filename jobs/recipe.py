@@ -54,9 +54,8 @@ RECIPES = {
         max_grad_norm=1.0,
         eval_split="auto",
         loss_chunk=256,
-        # torchtitan's checkpoint interval and TRL's save_steps/eval_steps: 500. On v6e 4x4 at the
-        # walkthrough's ~20k tokens/s (32k-token steps) that is ~15 minutes between checkpoints, each
-        # a few seconds of stall (async DCP); a SIGTERM save covers a preemption with notice.
+        # torchtitan's checkpoint interval and TRL's save_steps/eval_steps; what that means on a slice:
+        # docs/long-runs.md.
         save_every=500,
         eval_every=500,
         eval_samples=4,

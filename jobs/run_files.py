@@ -160,13 +160,15 @@ def sample_log(ctx, rank: int, resumed_step: int) -> SampleLog | None:
     return SampleLog(storage.storage_filesystem, f"{storage.experiment_fs_path}/{SAMPLES_FILE}", resumed_step)
 
 
-def last_samples(storage_path: str, run_name: str) -> list[dict]:
-    """The last eval's answers in <run>/samples.jsonl (none if there is no file)."""
+def last_samples(samples_uri: str | None) -> list[dict]:
+    """The last eval's answers in a samples.jsonl (a path or URI; none if there is no such file)."""
     import pyarrow.fs
 
-    fs, base = pyarrow.fs.FileSystem.from_uri(run_dir(storage_path, run_name))
-    if fs.get_file_info(f"{base}/{SAMPLES_FILE}").type != pyarrow.fs.FileType.File:
+    if not samples_uri:
         return []
-    with fs.open_input_stream(f"{base}/{SAMPLES_FILE}") as f:
+    fs, path = pyarrow.fs.FileSystem.from_uri(samples_uri if "://" in samples_uri else str(Path(samples_uri).resolve()))
+    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+        return []
+    with fs.open_input_stream(path) as f:
         rows = [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
     return [r for r in rows if r["step"] == rows[-1]["step"]] if rows else []

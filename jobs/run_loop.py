@@ -21,9 +21,18 @@ from checkpoints import epoch_dir_name, step_dir_name
 from loop import Progress, evaluate, global_sum, micro_batch_groups, train_step
 
 
-def fresh_state(world: int) -> dict:
-    return {"epoch": 0, "step": 0, "history": [], "evals": [], "running": {}, "progress": {}, "attempt": 0,
-            "world_size": world}  # fmt: skip
+def resumed_state(saved: dict, world: int) -> dict:
+    """The state to go on from: a fresh run's, or a checkpoint's train_state.json (`saved`); `attempt`
+    counts the starts. A checkpoint written before steps were counted cannot say where in its epoch it
+    was: refused (the stack's runs never meet one: a new version of the jobs is a new run name)."""
+    if saved and "step" not in saved:
+        raise RuntimeError(
+            "this run's latest checkpoint was written by an older version of the fine-tune that did not record "
+            "its step; start a new run (another --run-name)"
+        )
+    fresh = {"epoch": 0, "step": 0, "history": [], "evals": [], "running": {}, "progress": {}, "attempt": 0}
+    state = fresh | saved
+    return state | {"attempt": state["attempt"] + 1, "world_size": world}
 
 
 @dataclass
@@ -87,12 +96,10 @@ class TrainingRun:
         self.prompts = held_out_prompts(data.eval, trainee.tokenizer, settings) if data.eval is not None else []
 
     def run(self, state: dict, epochs: int | None = None) -> dict:
-        """From `state` (fresh_state's, or a checkpoint's) to the last planned step (or the end of epoch
+        """From `state` (resumed_state's) to the last planned step (or the end of epoch
         `epochs`, for a test); the final state."""
-        if state["progress"] and self.rank == 0:
-            self.hooks.progress.since = dict(state["progress"])
-        elif state["progress"]:
-            self.hooks.progress.since = state["progress"] | {"loss_sum": 0.0}
+        if state["progress"]:  # the loss sum is global: rank 0 carries it, as Running does
+            self.hooks.progress.since = state["progress"] | ({} if self.rank == 0 else {"loss_sum": 0.0})
         while state["step"] < self.schedule.total_steps and (epochs is None or state["epoch"] < epochs):
             state = self.epoch(state)
         return state

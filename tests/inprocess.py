@@ -71,17 +71,17 @@ def run(settings, rank: int = 0, world: int = 1, epochs: int | None = None, prog
     import torch
     from checkpoints import ShardedCheckpointer
     from loop import Progress, TrainingData
-    from run_loop import Hooks, TrainingRun, fresh_state
+    from run_loop import Hooks, TrainingRun, resumed_state
 
     torch.manual_seed(settings.seed)
     if settings.sharded_checkpoints:
         stopping.listen()
     trainee, optimizer = build(settings, world)
     checkpointer = ShardedCheckpointer(trainee.model, optimizer, rank, use_async=False)
-    state = fresh_state(world) | {"attempt": 1}
+    saved = json.loads(Path(resume_from, "train_state.json").read_text()) if resume_from else {}
     if resume_from:
-        checkpointer.load(resume_from, same_world=True)
-        state = json.loads(Path(resume_from, "train_state.json").read_text())
+        checkpointer.load(resume_from, same_world=saved["world_size"] == world)
+    state = resumed_state(saved, world)
     data = TrainingData(settings, trainee.tokenizer, rank, world)
     progress = progress or Progress(10**9, data.schedule(settings).total_steps, rank)
     save = DirectorySaver(checkpointer, root, rank) if root else (lambda *_: None)
@@ -103,7 +103,8 @@ def full_state(model) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def _rank_main(rank: int, world: int, rendezvous: str, config: dict, epochs: int, out: str) -> None:
+def _join(rank: int, world: int, rendezvous: str) -> None:
+    """This process as rank `rank` of a gloo group, with the job's modules importable."""
     import sys
 
     import torch
@@ -115,6 +116,29 @@ def _rank_main(rank: int, world: int, rendezvous: str, config: dict, epochs: int
     if world > 1:
         torch.set_num_threads(1)  # as Ray starts its workers (OMP_NUM_THREADS=1): ranks share the cores
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+
+
+def _spawn(target, world: int, *args) -> object:
+    """`target(rank, world, rendezvous, *args, out)` on `world` ranks (in this process for one); what rank 0
+    saved to `out`."""
+    import torch
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.pt")
+        full = (world, os.path.join(tmp, "rendezvous"), *args, out)
+        if world == 1:
+            target(0, *full)
+        else:
+            mp.spawn(target, args=full, nprocs=world, join=True)
+        return torch.load(out, weights_only=False)
+
+
+def _rank_main(rank: int, world: int, rendezvous: str, config, epochs: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    _join(rank, world, rendezvous)
     try:
         trainee, history = train(config, rank, world, epochs)
         state = full_state(trainee.model)
@@ -124,24 +148,14 @@ def _rank_main(rank: int, world: int, rendezvous: str, config: dict, epochs: int
         dist.destroy_process_group()
 
 
-def train_ranks(config: dict, world: int, epochs: int = 1) -> dict:
+def train_ranks(config, world: int, epochs: int = 1) -> dict:
     """Train on `world` gloo ranks (processes); rank 0's {"state", "history"}."""
-    import torch
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rank0.pt")
-        args = (world, os.path.join(tmp, "rendezvous"), config, epochs, out)
-        if world == 1:
-            _rank_main(0, *args)
-        else:
-            mp.spawn(_rank_main, args=args, nprocs=world, join=True)
-        return torch.load(out, weights_only=False)
+    return _spawn(_rank_main, world, config, epochs)
 
 
-def interrupted_progress(every: int, total_steps: int, rank: int, at: int, how: str):
+def interrupted_progress(total_steps: int, rank: int, at: int, how: str):
     """A Progress that, after step `at`, sends this process SIGTERM (`how` "sigterm") or fails as a lost
-    worker would (`how` "crash"); it also records the steps it saw."""
+    worker group would (`how` "crash"); it records the steps it saw."""
     import signal
 
     from loop import Progress
@@ -157,44 +171,46 @@ def interrupted_progress(every: int, total_steps: int, rank: int, at: int, how: 
             if step + 1 == at and how == "crash":
                 raise ConnectionError(f"lost after step {at}")
 
-    progress = Interrupting(every, total_steps, rank)
+    progress = Interrupting(10**9, total_steps, rank)
     progress.seen = []
     return progress
 
 
-def _attempt_main(rank: int, world: int, rendezvous: str, config, root: str, resume_from, stop: dict, out: str):
-    """One attempt of a run on this rank: it ends, stops on request, or crashes as `stop` says."""
-    import sys
+def latest_checkpoint(root: str) -> str:
+    """The checkpoint under `root` with the most steps done, as Ray Train's restart takes the latest."""
+    import json
 
+    saved = [d for d in Path(root).iterdir() if (d / "train_state.json").exists()]
+    return str(max(saved, key=lambda d: json.loads((d / "train_state.json").read_text())["step"]))
+
+
+def _attempts_main(rank: int, world: int, rendezvous: str, config, plan: list[dict], out: str) -> None:
+    """The attempts of `plan` one after the other on this rank, as Ray Train's restarts would run them."""
+    import stopping
     import torch
     import torch.distributed as dist
 
-    sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent.parent / "jobs")]
-    import stopping
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    at, how = stop.get(rank, (-1, ""))
-    progress = interrupted_progress(10**9, config.max_steps, rank, at, how)
-    ended = "done"
-    try:
-        trainee, state = run(config, rank, world, progress=progress, root=root, resume_from=resume_from)
-        model = full_state(trainee.model)
-    except (stopping.StopRequested, ConnectionError, RuntimeError) as err:  # (RuntimeError: a peer was lost)
-        ended, state, model = type(err).__name__, None, None
+    _join(rank, world, rendezvous)
+    results = []
+    for step in plan:
+        at, how = step.get("stop", {}).get(rank, (-1, ""))
+        progress = interrupted_progress(config.max_steps, rank, at, how)
+        resume = latest_checkpoint(step["root"]) if step.get("resume") else None
+        result = {"ended": "done", "from": resume and Path(resume).name}
+        try:
+            trainee, state = run(config, rank, world, progress=progress, root=step["root"], resume_from=resume)
+            result |= {"state": state, "model": full_state(trainee.model)}
+        except (stopping.StopRequested, ConnectionError) as err:
+            result["ended"] = type(err).__name__
+        results.append(result | {"seen": progress.seen})
+        dist.barrier()
     if rank == 0:
-        torch.save({"ended": ended, "state": state, "model": model, "seen": progress.seen}, out)
+        torch.save(results, out)
     dist.destroy_process_group()
 
 
-def attempt(config, world: int, root: str, resume_from: str | None = None, stop: dict | None = None) -> dict:
-    """One attempt on `world` gloo ranks (processes): rank 0's {"ended", "state", "model", "seen"}."""
-    import torch
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rank0.pt")
-        args = (world, os.path.join(tmp, "rendezvous"), config, root, resume_from, stop or {}, out)
-        mp.spawn(_attempt_main, args=args, nprocs=world, join=True)
-        return torch.load(out, weights_only=False)
+def attempts(config, world: int, plan: list[dict]) -> list[dict]:
+    """Runs of `config` on `world` gloo ranks in one set of processes, one attempt after another: each
+    {"root": its checkpoints, "resume": go on from the latest under root, "stop": {rank: (step, "sigterm"
+    or "crash")}}. Rank 0's results: {"ended", "from", "state", "model", "seen"} each."""
+    return _spawn(_attempts_main, world, config, plan)

@@ -138,12 +138,12 @@ def test_a_walkthrough_checkpoint_restores_its_weights_and_epoch(tiny_assets, tm
     optimizer.step()
     directory, local = str(tmp_path / "checkpoint_2026-12-03_10-00-00.000000"), pyarrow.fs.LocalFileSystem()
     export_pretrained(model, trainee.tokenizer, local, directory)
-    write_state(local, directory, {"epoch": 1, "history": [{"epoch": 1}], "attempt": 1, "world_size": 1})
+    write_state(local, directory, {"epoch": 1, "step": 6, "history": [{"epoch": 1}], "attempt": 1, "world_size": 1})
 
     restored = ray.train.Checkpoint(directory)
     resumed, again_optimizer = build(config, restored=restored)
     again = resumed.model
     state = ft.resume(restored, ShardedCheckpointer(again, again_optimizer, 0), str(tmp_path), 0, 1)
-    assert (state["epoch"], state["attempt"], state["history"]) == (1, 2, [{"epoch": 1}])
+    assert (state["epoch"], state["step"], state["attempt"], state["history"]) == (1, 6, 2, [{"epoch": 1}])
     for (name, trained), restarted in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
         assert torch.equal(whole(trained), whole(restarted)), name

@@ -275,6 +275,12 @@ BAD["sequence over a chip"] = (
     {"seqLen": "131072", "batchSize": "1"},
     "gemma-tpu:model: google/gemma-4-E2B-it needs about 36",
 )
+BAD["step saves with full checkpoints"] = (
+    "v6e",
+    {"recipe": "walkthrough", "saveEvery": "100"},
+    "gemma-tpu:saveEvery: 100 needs gemma-tpu:shardedCheckpoints true",
+)
+BAD["negative max steps"] = ("v6e", {"maxSteps": "-1"}, "gemma-tpu:maxSteps: -1 must be at least 0")
 BAD["timeout over a week"] = (
     "v6e",
     {"jobTimeoutMinutes": "10081"},

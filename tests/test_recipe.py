@@ -94,16 +94,25 @@ def test_the_walkthrough_recipe_restores_every_default_and_single_flags_still_wi
 
     walk = resolve(parse_args(["--recipe", "walkthrough"]))
     assert {k: getattr(walk, k) for k in ("packing", "sharded_checkpoints", "chat_template", "prompt_loss", "lr_schedule",
-                                 "warmup_ratio", "max_grad_norm", "eval_split", "loss_chunk", "grad_accum")} == {
+                                 "warmup_ratio", "max_grad_norm", "eval_split", "loss_chunk", "grad_accum",
+                                 "save_every", "eval_every", "eval_samples", "max_steps")} == {
         "packing": False, "sharded_checkpoints": False, "chat_template": False, "prompt_loss": True,
         "lr_schedule": "constant", "warmup_ratio": 0.0, "max_grad_norm": 0.0, "eval_split": "none",
-        "loss_chunk": 0, "grad_accum": 1,
+        "loss_chunk": 0, "grad_accum": 1, "save_every": 0, "eval_every": 0, "eval_samples": 0, "max_steps": 0,
     }  # fmt: skip
+    from backend import JobInputError
+    from flags import check_flags
+
+    with pytest.raises(JobInputError, match="--save-every 10 needs sharded checkpoints"):
+        check_flags(resolve(parse_args(["--recipe", "walkthrough", "--save-every", "10"])))
+    with pytest.raises(JobInputError, match="--eval-samples must be 0 or more"):
+        check_flags(resolve(parse_args(["--eval-samples", "-1"])))
     default = resolve(parse_args([]))
     assert (default.packing, default.chat_template, default.prompt_loss, default.lr_schedule) == (
         True, True, False, "cosine",
     )  # fmt: skip
     assert (default.warmup_ratio, default.max_grad_norm, default.eval_split) == (0.03, 1.0, "auto")
+    assert (default.save_every, default.eval_every, default.eval_samples, default.max_steps) == (500, 500, 4, 0)
     mixed = resolve(parse_args(["--recipe", "walkthrough", "--packing", "--eval-split", "auto"]))
     assert (mixed.packing, mixed.eval_split, mixed.chat_template) == (True, "auto", False)
 

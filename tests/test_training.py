@@ -32,7 +32,7 @@ def local_props(head, tiny_assets, storage, stack="t", **settings) -> dict:
 def local_cfg(tiny_assets, storage, stack: str):
     return local_run.local_config(
         stack=stack, model=tiny_assets["model"], dataset=tiny_assets["dataset"], datasetSplit="train[:80]", epochs="1",
-        seqLen="64", localStoragePath=str(storage), jobTimeoutMinutes="10",
+        seqLen="64", localStoragePath=str(storage), jobTimeoutMinutes="10", evalSamples="1",
     )  # fmt: skip
 
 
@@ -161,6 +161,7 @@ def test_gke_path_survives_token_expiry_and_a_flaky_proxy_while_make_local_attac
     assert Path(a["checkpoint"]).name == "model" and (Path(a["checkpoint"]) / "model.safetensors").exists()
     assert Path(a["checkpoint"]).is_relative_to(tmp_path)
     assert [Path(c).name for c in a["checkpoints"]] == ["checkpoint_epoch_0001"]
+    assert a["samples"] == b["samples"] and len(Path(a["samples"]).read_text().splitlines()) == 1  # evalSamples 1
     assert re.search(
         r"\[collectives\] gke-collectives-\S+-a1 is already (PENDING|RUNNING); attaching to it", capsys.readouterr().out
     )
