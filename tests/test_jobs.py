@@ -104,7 +104,7 @@ def resumed(ray_head, tiny_assets, dolly288, tmp_path_factory) -> dict:
     def wait_for(done, job_id: str, deadline: float) -> None:
         while not done():
             assert time.monotonic() < deadline and not client.get_job_status(job_id).is_terminal(), job_id
-            time.sleep(0.05)
+            time.sleep(0.25)  # (each look at the logs fetches them whole from the head: not too often)
 
     first = submit("stopped")
     snapshot, deadline = storage / "run" / "checkpoint_manager_snapshot.json", time.monotonic() + 120
