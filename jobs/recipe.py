@@ -81,9 +81,13 @@ RECIPE_KEYS = tuple(f.name for f in fields(Recipe))
 
 
 def with_recipe(values: dict, recipe: str) -> dict:
-    """`values` with every recipe key that is None taken from the named recipe."""
+    """`values` with every recipe key that is None taken from the named recipe. Full checkpoints (sharded
+    ones turned off) cannot go on from the middle of an epoch: saves then default to epoch ends only."""
     preset = RECIPES[recipe]
-    return values | {k: getattr(preset, k) for k in RECIPE_KEYS if values.get(k) is None}
+    filled = values | {k: getattr(preset, k) for k in RECIPE_KEYS if values.get(k) is None}
+    if values.get("save_every") is None and not filled["sharded_checkpoints"]:
+        filled["save_every"] = 0
+    return filled
 
 
 # ---- schedule ---------------------------------------------------------------------------------

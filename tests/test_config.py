@@ -437,3 +437,8 @@ def test_a_reservation_keeps_the_slice_up_unless_scale_to_zero_is_set():
     assert parse_as_cli({"reservation": "r1", "scaleToZero": "true"}).capacity.scale_to_zero is True
     assert parse_as_cli({}).capacity.scale_to_zero is True
     assert parse_as_cli({"scaleToZero": "false"}).capacity.scale_to_zero is False
+
+
+def test_full_checkpoints_save_at_epoch_ends_unless_told_otherwise():
+    cfg = parse_as_cli({"shardedCheckpoints": "false"})
+    assert (cfg.job.recipe_settings.save_every, cfg.job.recipe_settings.eval_every) == (0, 500)

@@ -103,6 +103,9 @@ def test_the_walkthrough_recipe_restores_every_default_and_single_flags_still_wi
     from backend import JobInputError
     from flags import check_flags
 
+    full = resolve(parse_args(["--no-sharded-checkpoints"]))  # the default recipe with full checkpoints
+    assert (full.save_every, full.eval_every) == (0, 500)
+    check_flags(full)
     with pytest.raises(JobInputError, match="--save-every 10 needs sharded checkpoints"):
         check_flags(resolve(parse_args(["--recipe", "walkthrough", "--save-every", "10"])))
     with pytest.raises(JobInputError, match="--eval-samples must be 0 or more"):
