@@ -138,18 +138,29 @@ def tpu_devices(topology: str, accelerator_type: str) -> int:
     return chips * ACCELERATOR_TYPES[accelerator_type].devices_per_chip
 
 
-def resolve_num_workers(backend: str, topology: str, accelerator_type: str, num_workers: int | None) -> int:
-    """On TPU the slice decides (and a given --num-workers must agree); elsewhere --num-workers does."""
+def resolve_num_workers(backend: str, topology: str, accelerator_type: str, num_workers: int | None,
+                        num_slices: int = 1) -> int:  # fmt: skip
+    """On TPU the slices decide (and a given --num-workers must agree); elsewhere --num-workers does, and
+    --num-slices must divide it: every slice holds as many workers as the others."""
+    if num_slices < 1:
+        raise JobInputError(f"--num-slices must be a positive integer (got {num_slices})")
     if backend == "tpu":
-        devices = tpu_devices(topology, accelerator_type)
+        per_slice = tpu_devices(topology, accelerator_type)
+        devices = per_slice * num_slices
         if num_workers is not None and num_workers != devices:
             raise JobInputError(
-                f"--num-workers {num_workers} does not match --topology {topology} on {accelerator_type}, "
-                f"which has {devices} devices; drop --num-workers or pass {devices}"
+                f"--num-workers {num_workers} does not match --num-slices {num_slices} x --topology {topology} on "
+                f"{accelerator_type} ({per_slice} devices a slice, {devices} in all); drop --num-workers or pass {devices}"
             )
         return devices
     if num_workers is None or num_workers < 1:
         raise JobInputError(f"--num-workers must be a positive number off TPU (got {num_workers})")
+    if num_workers % num_slices:
+        divisors = [n for n in range(1, num_workers + 1) if num_workers % n == 0]
+        raise JobInputError(
+            f"--num-slices {num_slices} does not divide --num-workers {num_workers}: every slice holds as many "
+            f"workers as the others; pass --num-slices one of {', '.join(map(str, divisors))}"
+        )
     return num_workers
 
 

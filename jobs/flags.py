@@ -64,6 +64,7 @@ class FinetuneSettings:
     accelerator_type: str
     backend: str
     num_workers: int | None
+    num_slices: int  # TPU slices (HSDP across them: model.device_mesh)
     storage_path: str
     run_name: str | None
     sharded_checkpoints: bool
@@ -142,6 +143,9 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accelerator-type", default="TPU-V6E", help=f"one of {', '.join(ACCELERATOR_TYPES)}")
     p.add_argument("--backend", default="tpu", help=f"one of {', '.join(BACKENDS)}")
     p.add_argument("--num-workers", type=int, default=None, help="off TPU: how many workers")
+    p.add_argument("--num-slices", type=int, default=1,
+                   help="TPU slices of --topology, each a replica of the sharded model (HSDP); off TPU, groups of "
+                        "--num-workers standing in for them")  # fmt: skip
     p.add_argument("--storage-path", default=os.environ.get("STORAGE_PATH") or str(Path.home() / "ray_results"),
                    help="local path or gs://BUCKET/prefix (default: $STORAGE_PATH, else ~/ray_results)")  # fmt: skip
     p.add_argument("--run-name", default=None, help=f"default: {DEFAULT_RUN_PREFIX}<unix time>")
@@ -196,7 +200,8 @@ def check_inputs(settings: FinetuneSettings) -> tuple[FinetuneSettings, int]:
     """Everything that can be wrong before a worker starts: (the settings with local paths made absolute,
     since the workers do not run in this directory; the worker count)."""
     get_backend(settings.backend)
-    workers = resolve_num_workers(settings.backend, settings.topology, settings.accelerator_type, settings.num_workers)
+    workers = resolve_num_workers(settings.backend, settings.topology, settings.accelerator_type, settings.num_workers,
+                                  settings.num_slices)  # fmt: skip
     absolute = {}
     for flag in ("model", "tokenizer"):
         ref = getattr(settings, flag)

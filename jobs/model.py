@@ -5,8 +5,9 @@
 2. freeze the per-layer embedding table (kept out of FSDP);
 3. LoRA adapters (before FSDP, as torchtune does, so each unit holds one dtype);
 4. activation checkpointing (before FSDP, so the recomputation gathers the layer again);
-5. FSDP2 over the mesh: each decoder layer a unit, then the root, `TokenLoss`, whose forward is the
-   summed token loss.
+5. FSDP2 over the mesh (`device_mesh`: one slice's devices; across slices HSDP, the model sharded
+   within each slice and replicated across them): each decoder layer a unit, then the root,
+   `TokenLoss`, whose forward is the summed token loss.
 
 `apply_tp` is here too: the collectives check's tensor-parallel parity applies it to its toy block.
 """
@@ -84,14 +85,29 @@ class TokenLoss(torch.nn.Module):
                               self.loss_chunk)  # fmt: skip
 
 
+def device_mesh(device_type: str, world: int, num_slices: int = 1):
+    """One dimension over every device of one slice; with more slices two, as Google's TorchTPU sample builds
+    it: ("dp_replicate", "dp_shard") = (slices, devices a slice). Ray Train numbers the workers slice by
+    slice (its MEGASCALE_SLICE_ID is rank // workers a slice), so each row, a dp_shard group, is one slice:
+    FSDP's all-gathers and reduce-scatters stay on the slice's ICI and only the gradients' all-reduce
+    crosses the data-centre network between slices."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if num_slices == 1:
+        return init_device_mesh(device_type, (world,))
+    return init_device_mesh(device_type, (num_slices, world // num_slices), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
 def apply_fsdp(root: TokenLoss, mesh, ignored: set, dtype: str = "bfloat16") -> TokenLoss:
     """FSDP2: each decoder layer, then the root; params in the compute dtype, fp32 gradient reduction.
+    On a 2-D mesh FSDP2 is HSDP: sharded over the second dimension, replicated over the first.
 
     Each whole decoder layer is a unit (torchtitan's layout): only two are unsharded at a time. (The
     walkthrough shards only the MLPs, which leaves every attention projection in the root, gathered
     for the whole step: 15 GB of a 32 GB v6e chip for 31B.) Gradients are summed over ranks, not
     averaged: the loss is already divided by the global count of predicted tokens (loop.train_step),
-    so an average would divide a second time.
+    so an average would divide a second time. Under HSDP that holds for both reductions (the reduce-scatter
+    within a slice, the all-reduce across slices): one global batch is one sum.
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -148,8 +164,6 @@ def load_model_and_tokenizer(settings, dtype: str, restored):
 
 def build_model(settings, backend, dtype: str, world: int, restored) -> Trainee:
     """The model as it trains, every change in this module's order, over all ranks."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     model, tokenizer = load_model_and_tokenizer(settings, dtype, restored)
     if settings.chat_template:
         stop_at_end_of_turn(model, tokenizer)
@@ -159,7 +173,7 @@ def build_model(settings, backend, dtype: str, world: int, restored) -> Trainee:
     if settings.activation_checkpointing:
         apply_activation_checkpointing(model)
     model.to(backend.device())
-    mesh = init_device_mesh(backend.device_type, (world,))
+    mesh = device_mesh(backend.device_type, world, settings.num_slices)
     root = apply_fsdp(TokenLoss(model, settings.loss_chunk), mesh, ignored={frozen}, dtype=dtype)
     root.train()  # (from_pretrained gives eval mode, where transformers skips activation checkpointing)
     return Trainee(root, model, tokenizer, lora, shape)

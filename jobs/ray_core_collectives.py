@@ -1,14 +1,18 @@
-"""Collectives check for a TPU slice: tensor-parallel parity and an all-reduce, one Ray actor per device.
+"""Collectives check for TPU slices: tensor-parallel parity and all-reduces, one Ray actor per device.
 
 Run it on the slice (from the working directory `jobs/`):
 
     ray job submit --address http://localhost:8265 --working-dir jobs -- \\
         python ray_core_collectives.py --topology 4x4 --accelerator-type TPU-V6E
 
-On CPU, with the gloo backend and a local Ray:
+On CPU, with the gloo backend and a local Ray (--num-slices 2: two groups of 2 standing in for slices):
 
     python jobs/ray_core_collectives.py --backend cpu --num-workers 4
 
+With --num-slices N the devices form the fine-tune's mesh, (slices, devices a slice): the tensor-parallel
+block runs within each slice (its ICI), an all-reduce runs over every rank, and another over the
+ranks holding the same place in each slice (the data-centre network between slices, as HSDP's
+gradient all-reduce). On TPU each worker gets the MEGASCALE_* variables Ray Train gives the fine-tune's.
 Exits non-zero on any mismatch; the last line is `JOB_RESULT_JSON: {...}`.
 """
 
@@ -32,6 +36,7 @@ from backend import (
 )
 
 TPU_MASTER_PORT = 29500
+MEGASCALE_PORT = 8081  # Ray's DEFAULT_MEGASCALE_PORT (ray/_private/accelerators/tpu.py)
 RTOL, ATOL = 1e-3, 1e-2
 
 
@@ -41,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accelerator-type", default="TPU-V6E", help=f"one of {', '.join(ACCELERATOR_TYPES)}")
     p.add_argument("--backend", default="tpu", help=f"one of {', '.join(BACKENDS)}")
     p.add_argument("--num-workers", type=int, default=None, help="off TPU: how many workers (one per device on TPU)")
+    p.add_argument("--num-slices", type=int, default=1, help="TPU slices of --topology (off TPU: groups of workers)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--expansion", type=int, default=4)
     p.add_argument("--batch", type=int, default=64)
@@ -68,22 +74,37 @@ def make_ffn(hidden: int, expansion: int, seed: int):
     return ResidualFFN()
 
 
+def megascale_env(coordinator_host: str, num_slices: int, slice_id: int, local_rank: int) -> dict[str, str]:
+    """What Ray 2.60's TorchTrainer gives each worker of a multi-slice run (ray/train/torch/config.py,
+    `_setup_tpu_multislice`): the coordinator on rank 0's host at the base port, and a port of its own
+    per local rank, so that the workers of one host do not collide."""
+    return {
+        "MEGASCALE_COORDINATOR_ADDRESS": f"{coordinator_host}:{MEGASCALE_PORT}",
+        "MEGASCALE_NUM_SLICES": str(num_slices),
+        "MEGASCALE_SLICE_ID": str(slice_id),
+        "MEGASCALE_PORT": str(MEGASCALE_PORT + local_rank),
+    }
+
+
 @ray.remote
 class CollectivesWorker:
-    def __init__(self, backend: str, index: int, devices_per_host: int):
+    def __init__(self, backend: str, index: int, devices_per_host: int, slice_devices: int):
         self.backend = get_backend(backend)
+        # The placement group's bundles are slice by slice (ray.util.tpu.SlicePlacementGroup).
+        self.slice_id, in_slice = divmod(index, slice_devices)
         if self.backend.name == "tpu":
-            # Global rank from the slice layout the TPU webhook and Ray expose.
+            # The host within its slice, from the layout the TPU webhook and Ray expose.
             self.worker_id = int(os.environ["TPU_WORKER_ID"])
             self.local_rank = int(ray.get_runtime_context().get_accelerator_ids()["TPU"][0])
         else:
-            self.worker_id, self.local_rank = divmod(index, devices_per_host)
+            self.worker_id, self.local_rank = divmod(in_slice, devices_per_host)
         self.devices_per_host = devices_per_host
-        self.rank = self.worker_id * devices_per_host + self.local_rank
+        self.rank = self.slice_id * slice_devices + self.worker_id * devices_per_host + self.local_rank
 
     def identity(self) -> dict:
         return {
             "rank": self.rank,
+            "slice": self.slice_id,
             "worker_id": self.worker_id,
             "local_rank": self.local_rank,
             "node_ip": ray.util.get_node_ip_address(),
@@ -108,6 +129,8 @@ class CollectivesWorker:
             LOCAL_RANK=str(self.local_rank),
             LOCAL_WORLD_SIZE=str(self.devices_per_host),
         )
+        if self.backend.name == "tpu" and args["num_slices"] > 1:
+            os.environ.update(megascale_env(master_addr, args["num_slices"], self.slice_id, self.local_rank))
         self.backend.prepare()
         dist.init_process_group(backend=self.backend.dist_backend, init_method="env://")
         try:
@@ -117,21 +140,22 @@ class CollectivesWorker:
 
 
 def check_rank(backend, rank: int, world: int, args: dict) -> dict:
-    """One rank's part, in an initialised process group: the sharded block against its CPU reference,
-    and an all-reduce of rank + 1."""
+    """One rank's part, in an initialised process group: the block sharded over its slice against its CPU
+    reference, an all-reduce of rank + 1 over every rank, and one of slice + 1 across the slices."""
     import torch
     import torch.distributed as dist
-    from model import apply_tp
-    from torch.distributed.device_mesh import init_device_mesh
+    from model import apply_tp, device_mesh
 
     device = backend.device()
+    slices = args.get("num_slices", 1)
     reference = make_ffn(args["hidden"], args["expansion"], args["reference_seed"])
     torch.manual_seed(args["seed"] + 1)
     x = torch.randn(args["batch"], args["hidden"])
+    mesh = device_mesh(backend.device_type, world, slices)
     with torch.no_grad():
         expected = reference(x)
-        mesh = init_device_mesh(backend.device_type, (world,))
-        sharded = apply_tp(make_ffn(args["hidden"], args["expansion"], args["seed"]).to(device), mesh)
+        in_slice = mesh if slices == 1 else mesh["dp_shard"]
+        sharded = apply_tp(make_ffn(args["hidden"], args["expansion"], args["seed"]).to(device), in_slice)
         got = sharded(x.to(device)).cpu()
     max_diff = (got - expected).abs().max().item()
     parity = torch.allclose(got, expected, rtol=RTOL, atol=ATOL)
@@ -139,9 +163,13 @@ def check_rank(backend, rank: int, world: int, args: dict) -> dict:
     t = torch.full((4,), float(rank + 1), device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     total = t.cpu()
-    want = world * (world + 1) / 2
-    return {"sum": total[0].item(), "sum_ok": bool(torch.all(total == want)), "max_diff": max_diff,
-            "parity_ok": bool(parity)}  # fmt: skip
+    across = torch.full((4,), float(rank // (world // slices) + 1), device=device)
+    if slices > 1:
+        dist.all_reduce(across, op=dist.ReduceOp.SUM, group=mesh["dp_replicate"].get_group())
+    across = across.cpu()
+    return {"sum": total[0].item(), "sum_ok": bool(torch.all(total == world * (world + 1) / 2)),
+            "slices_sum": across[0].item(), "slices_sum_ok": bool(torch.all(across == slices * (slices + 1) / 2)),
+            "max_diff": max_diff, "parity_ok": bool(parity)}  # fmt: skip
 
 
 def reserve(args, world: int):
@@ -152,9 +180,8 @@ def reserve(args, world: int):
         from ray.util.tpu import slice_placement_group
 
         tpu = ACCELERATOR_TYPES[args.accelerator_type]
-        slice_pg = slice_placement_group(
-            args.topology, tpu.version, resources_per_bundle={"TPU": 1}, tpu_resource_per_chip=tpu.devices_per_chip
-        )
+        slice_pg = slice_placement_group(args.topology, tpu.version, resources_per_bundle={"TPU": 1},
+                                         num_slices=args.num_slices, tpu_resource_per_chip=tpu.devices_per_chip)  # fmt: skip
         return slice_pg, slice_pg.placement_group
     pg = placement_group([{"CPU": 1}] * world, strategy="PACK")
     return None, pg
@@ -164,13 +191,16 @@ def run_check(args: argparse.Namespace) -> dict:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     get_backend(args.backend)
-    world = resolve_num_workers(args.backend, args.topology, args.accelerator_type, args.num_workers)
-    if (args.hidden * args.expansion) % world:
+    world = resolve_num_workers(args.backend, args.topology, args.accelerator_type, args.num_workers, args.num_slices)
+    slice_devices = world // args.num_slices
+    if (args.hidden * args.expansion) % slice_devices:
         raise JobInputError(
-            f"the tensor-parallel width {args.hidden}x{args.expansion} must divide by the {world} workers"
+            f"the tensor-parallel width {args.hidden}x{args.expansion} must divide by the {slice_devices} workers a slice"
         )
     devices_per_host = (
-        CHIPS_PER_HOST * ACCELERATOR_TYPES[args.accelerator_type].devices_per_chip if args.backend == "tpu" else world
+        CHIPS_PER_HOST * ACCELERATOR_TYPES[args.accelerator_type].devices_per_chip
+        if args.backend == "tpu"
+        else slice_devices
     )
     connect_ray(world)
     handle, pg = reserve(args, world)
@@ -186,7 +216,7 @@ def run_check(args: argparse.Namespace) -> dict:
     workers = [
         CollectivesWorker.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i), **resources
-        ).remote(args.backend, i, devices_per_host)
+        ).remote(args.backend, i, devices_per_host, slice_devices)
         for i in range(world)
     ]
     try:
@@ -207,31 +237,36 @@ def run_check(args: argparse.Namespace) -> dict:
             ray.util.remove_placement_group(pg)
     for r in results:
         print(
-            f"rank={r['rank']:>3} worker_id={r['worker_id']} local_rank={r['local_rank']} "
-            f"node_ip={r['node_ip']} sum={r['sum']} max_diff={r['max_diff']:.5f}",
+            f"rank={r['rank']:>3} slice={r['slice']} worker_id={r['worker_id']} local_rank={r['local_rank']} "
+            f"node_ip={r['node_ip']} sum={r['sum']} slices_sum={r['slices_sum']} max_diff={r['max_diff']:.5f}",
             flush=True,
         )
-    summary = summarise(results, world, args.backend)
+    summary = summarise(results, world, args.backend, args.num_slices)
     print(verdict(summary), flush=True)
     return summary
 
 
-def summarise(results: list[dict], world: int, backend: str) -> dict:
+def summarise(results: list[dict], world: int, backend: str, slices: int = 1) -> dict:
     return {
-        "ok": all(r["sum_ok"] and r["parity_ok"] for r in results),
+        "ok": all(r["sum_ok"] and r["slices_sum_ok"] and r["parity_ok"] for r in results),
         "world_size": world,
+        "slices": slices,
         "backend": backend,
         "expected_sum": world * (world + 1) / 2,
         "sums_ok": all(r["sum_ok"] for r in results),
+        "slices_sum_ok": all(r["slices_sum_ok"] for r in results),
         "parity_ok": all(r["parity_ok"] for r in results),
         "max_abs_diff": max(r["max_diff"] for r in results),
     }
 
 
 def verdict(summary: dict) -> str:
+    across = ""
+    if summary["slices"] > 1:
+        across = f", across {summary['slices']} slices {'ok' if summary['slices_sum_ok'] else 'BROKEN'}"
     return (
         f"{'PASS' if summary['ok'] else 'FAIL'}: {summary['world_size']} ranks, all-reduce sum "
-        f"{summary['expected_sum']} {'on every rank' if summary['sums_ok'] else 'NOT on every rank'}, "
+        f"{summary['expected_sum']} {'on every rank' if summary['sums_ok'] else 'NOT on every rank'}{across}, "
         f"tensor-parallel parity {'holds' if summary['parity_ok'] else 'BROKEN'} "
         f"(max |diff| {summary['max_abs_diff']:.5f})"
     )

@@ -137,7 +137,10 @@ def train_loop_per_worker(config: dict) -> None:
 
     hooks = Hooks(save, epoch_metrics_of, progress, sample_log(ctx, rank, state["step"]))
     backend.reset_peak_memory()
-    TrainingRun(trainee, optimizer, data, settings, device, rank, world, hooks).run(state)
+    try:
+        TrainingRun(trainee, optimizer, data, settings, device, rank, world, hooks).run(state)
+    finally:
+        stopping.stop_listening()  # Ray ends its workers with SIGTERM too (2.60)
     checkpointer.close()
     progress.close()
     if settings.sharded_checkpoints:
@@ -162,10 +165,10 @@ def utilisation(trainee: Trainee, settings: FinetuneSettings, real_tokens_per_s_
 
 def model_sizes(trainee: Trainee, settings: FinetuneSettings, world: int, dtype: str) -> dict:
     """Parameters trained and in all, and the memory plan (jobs/memory_plan.py) for this run per device,
-    to read beside the measured peak."""
+    to read beside the measured peak. The model is sharded over one slice's devices (HSDP across slices)."""
     trainable, total = trainable_and_total(trainee.model)
     workload = Workload(
-        devices=world, batch=settings.batch_size, seq_len=settings.seq_len, dtype_bytes=2 if dtype == "bfloat16" else 4,
+        devices=world // settings.num_slices, batch=settings.batch_size, seq_len=settings.seq_len, dtype_bytes=2 if dtype == "bfloat16" else 4,
         activation_checkpointing=settings.activation_checkpointing, lora=settings.lora,
         lora_rank=settings.lora_rank, loss_chunk=settings.loss_chunk,
     )  # fmt: skip

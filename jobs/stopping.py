@@ -17,6 +17,8 @@ import threading
 from backend import worker_print
 
 _REQUESTED = threading.Event()
+_LISTENING = threading.Event()
+_PREVIOUS: list = []  # the handler this one replaced (Ray's, which ends the worker)
 
 
 class StopRequested(RuntimeError):
@@ -27,14 +29,22 @@ def requested() -> bool:
     return _REQUESTED.is_set()
 
 
-def _on_sigterm(_signum, _frame) -> None:
+def _on_sigterm(signum, frame) -> None:
+    if not _LISTENING.is_set():  # training is over: SIGTERM is Ray ending the worker (Ray >= 2.60 sends it)
+        previous = _PREVIOUS[-1] if _PREVIOUS else signal.SIG_DFL
+        if callable(previous):
+            previous(signum, frame)
+            return
+        raise SystemExit(128 + signum)
     if not _REQUESTED.is_set():
         _REQUESTED.set()
         worker_print("SIGTERM: this worker stops after the current step, once its checkpoint is written")
 
 
 def _install() -> bool:
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    if previous is not _on_sigterm:
+        _PREVIOUS.append(previous)
     return True
 
 
@@ -46,6 +56,7 @@ def listen() -> None:
     executes the actor's tasks: so the handler is installed by a task sent to this very actor.
     """
     _REQUESTED.clear()
+    _LISTENING.set()
     if threading.current_thread() is threading.main_thread():
         _install()
         return
@@ -55,6 +66,11 @@ def listen() -> None:
         ray.get(ray.get_runtime_context().current_actor.execute.remote(_install), timeout=60)
     except Exception as err:  # noqa: BLE001  (a Ray without RayTrainWorker.execute: no save on SIGTERM, say so)
         worker_print(f"SIGTERM will end this worker without a save: the handler could not be installed ({err})")
+
+
+def stop_listening() -> None:
+    """Training is over (done, or failed): SIGTERM goes back to ending the process, quietly."""
+    _LISTENING.clear()
 
 
 def wait_until_taken(timeout_s: float = 120.0) -> None:

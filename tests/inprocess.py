@@ -86,7 +86,10 @@ def run(settings, rank: int = 0, world: int = 1, epochs: int | None = None, prog
     progress = progress or Progress(10**9, data.schedule(settings).total_steps, rank)
     save = DirectorySaver(checkpointer, root, rank) if root else (lambda *_: None)
     hooks = Hooks(save, lambda _epoch, trained, held_out, _elapsed: trained | held_out, progress)
-    state = TrainingRun(trainee, optimizer, data, settings, torch.device("cpu"), rank, world, hooks).run(state, epochs)
+    try:
+        state = TrainingRun(trainee, optimizer, data, settings, torch.device("cpu"), rank, world, hooks).run(state, epochs)
+    finally:
+        stopping.stop_listening()
     return trainee, state
 
 
@@ -151,6 +154,46 @@ def _rank_main(rank: int, world: int, rendezvous: str, config, epochs: int, out:
 def train_ranks(config, world: int, epochs: int = 1) -> dict:
     """Train on `world` gloo ranks (processes); rank 0's {"state", "history"}."""
     return _spawn(_rank_main, world, config, epochs)
+
+
+def recording_progress(total_steps: int, rank: int):
+    """A Progress that records every step's global loss (one more all-reduce a step) and gradient norm."""
+    from loop import Progress, global_sum
+
+    class Recording(Progress):
+        losses: list
+        grad_norms: list
+
+        def step(self, step: int, result: dict) -> None:
+            (loss_sum,) = global_sum(float(result["loss_sum"]))  # (the count is global already)
+            self.losses.append(loss_sum / float(result["predicted"]))
+            self.grad_norms.append(float(result["grad_norm"]))
+            super().step(step, result)
+
+    progress = Recording(10**9, total_steps, rank)
+    progress.losses, progress.grad_norms = [], []
+    return progress
+
+
+def _each_main(rank: int, world: int, rendezvous: str, configs: list, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    _join(rank, world, rendezvous)
+    results = []
+    for config in configs:
+        progress = recording_progress(config.max_steps, rank)
+        trainee, _ = run(config, rank, world, progress=progress)
+        results.append({"model": full_state(trainee.model), "losses": progress.losses, "grad_norms": progress.grad_norms})
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def train_each(configs: list, world: int) -> list[dict]:
+    """Each of `configs` (with --max-steps) trained in turn on the same `world` gloo ranks; rank 0's
+    {"model": every parameter whole, "losses" and "grad_norms": one a step} for each."""
+    return _spawn(_each_main, world, configs)
 
 
 def interrupted_progress(total_steps: int, rank: int, at: int, how: str):
