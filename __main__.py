@@ -1,7 +1,7 @@
-"""gemma-tpu: from an empty Google Cloud project to a fine-tuned Gemma 4 on a TPU slice.
+"""gemma-tpu: from an empty Google Cloud project to a fine-tuned Gemma 4 on TPU slices.
 
 Reads the stack's config once, then declares, in order: the APIs, the GKE cluster
-(and its TPU slice in Standard mode), the checkpoint bucket (and a dataset file uploaded
+(and a node pool per TPU slice in Standard mode), the checkpoint bucket (and a dataset file uploaded
 into it), the image, the Kubernetes access, the RayCluster, and last the jobs that
 fine-tune on it.
 The `local` stack declares only the jobs, against a Ray head on this machine.
@@ -37,7 +37,8 @@ else:
         head_machine_type=cfg.head_machine_type,
         scale_to_zero=cfg.capacity.scale_to_zero,
     )
-    pool = None if cfg.autopilot else TpuPoolArgs(cfg.project, cfg.zone, cfg.region, cfg.slice, cfg.capacity)
+    pool = None if cfg.autopilot else TpuPoolArgs(cfg.project, cfg.zone, cfg.region, cfg.slice, cfg.capacity,
+                                                  cfg.num_slices)  # fmt: skip
     gke = GkeCluster(cfg.cluster_name, cluster, pool, opts=after_apis)
     bucket = CheckpointBucket(
         "checkpoints",
@@ -54,13 +55,23 @@ else:
                              image_name=cfg.image_name, opts=after_apis)  # fmt: skip
     kube = KubernetesAccess("gke", gke.name, gke.endpoint, gke.ca_certificate)
     ray = RayCluster(
-        RayClusterArgs(cfg.ray_cluster_name, cfg.namespace, cfg.slice, cfg.capacity, cfg.autopilot, cfg.head_cpus),
+        RayClusterArgs(
+            cfg.ray_cluster_name,
+            cfg.namespace,
+            cfg.slice,
+            cfg.capacity,
+            cfg.autopilot,
+            cfg.head_cpus,
+            cfg.num_slices,
+            cfg.defer_and_fuse,
+            cfg.compile_cache_root,
+        ),
         image=registry.image,
         hf_token=hf_token,
         provider=kube.provider,
         endpoint=gke.endpoint,
         ca_certificate=gke.ca_certificate,
-        depends_on=[bucket.member, *([gke.tpu_pool] if gke.tpu_pool else [])],
+        depends_on=[bucket.member, *gke.tpu_pools],
     )
     target = gke_target(cfg.namespace, cfg.ray_cluster_name, gke.endpoint, gke.ca_certificate)
     training = TrainingJobs(
@@ -75,7 +86,7 @@ else:
     pulumi.export("rayClusterName", ray.name)
     pulumi.export("dashboard", dashboard_command(cfg.namespace, cfg.ray_cluster_name))
 
-pulumi.export("memoryPlan", memory_plan_output(cfg.job, None if cfg.local else cfg.slice))
+pulumi.export("memoryPlan", memory_plan_output(cfg.job, None if cfg.local else cfg.slice, cfg.num_slices))
 pulumi.export("costEstimate", cost_estimate(cfg))
 pulumi.export("cost", pulumi.Output.all(training.slice_hours, training.run_hours).apply(
     lambda hours: run_cost(hours[0] or 0.0, hours[1] or 0.0, cfg)))  # fmt: skip

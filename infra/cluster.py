@@ -1,4 +1,4 @@
-"""The GKE cluster with the Ray Operator add-on, and in Standard mode its TPU slice node pool."""
+"""The GKE cluster with the Ray Operator add-on, and in Standard mode its TPU slice node pools (one a slice)."""
 
 from __future__ import annotations
 
@@ -28,13 +28,21 @@ class ClusterArgs:
 
 @dataclass(frozen=True)
 class TpuPoolArgs:
-    """Standard mode's TPU slice node pool (Autopilot has none: its pods ask for TPUs)."""
+    """Standard mode's TPU slice node pools (Autopilot has none: its pods ask for TPUs)."""
 
     project: str
     zone: str
     region: str
     tpu: TpuSlice
     capacity: SliceCapacity
+    num_slices: int = 1
+
+
+def tpu_pool_name(index: int) -> str:
+    """A multi-host slice needs a node pool of its own (the KubeRay TPU webhook keeps each worker-group
+    replica on one pool); the first keeps the walkthrough's name, the others are numbered from 2, all in
+    the one zone Multislice requires."""
+    return TPU_POOL_NAME if index == 0 else f"{TPU_POOL_NAME}-{index + 1}"
 
 
 def ray_addon() -> gcp.container.ClusterAddonsConfigArgs:
@@ -110,12 +118,16 @@ def tpu_node_config(pool: TpuPoolArgs) -> dict:
     return node
 
 
-def tpu_pool_args(pool: TpuPoolArgs, cluster_name: pulumi.Input[str], policy_name: pulumi.Input[str] | None) -> dict:
+def tpu_pool_args(pool: TpuPoolArgs, cluster_name: pulumi.Input[str], policy_name: pulumi.Input[str] | None,
+                  index: int = 0) -> dict:  # fmt: skip
+    """Slice `index`'s node pool: placed on its own (COMPACT with the topology; on Ironwood the workload
+    policy, which every slice's pool shares, as xpk's node-pool creation passes one --placement-policy to
+    each of its --num-slices pools: AI-Hypercomputer/xpk src/xpk/core/nodepool.py)."""
     placement = {"type": pool.tpu.generation.placement_type, "tpu_topology": pool.tpu.topology}
     if pool.tpu.generation.uses_workload_policy:
         placement["policy_name"] = policy_name
     args = {
-        "name": TPU_POOL_NAME,
+        "name": tpu_pool_name(index),
         "project": pool.project,
         "cluster": cluster_name,
         "location": pool.zone,
@@ -147,7 +159,7 @@ def pool_size(pool: TpuPoolArgs) -> dict:
 
 
 class GkeCluster(pulumi.ComponentResource):
-    """The cluster; in Standard mode also the TPU slice node pool (and Ironwood's workload policy)."""
+    """The cluster; in Standard mode also a TPU node pool per slice (and Ironwood's workload policy)."""
 
     def __init__(
         self, name: str, cluster: ClusterArgs, pool: TpuPoolArgs | None, opts: pulumi.ResourceOptions | None = None
@@ -159,23 +171,24 @@ class GkeCluster(pulumi.ComponentResource):
             **cluster_args(cluster),
             opts=child.merge(pulumi.ResourceOptions(custom_timeouts=pulumi.CustomTimeouts(create="45m"))),
         )
-        self.tpu_pool = None
+        self.tpu_pools = []
         if pool is not None:
             policy_name = None
             if pool.tpu.generation.uses_workload_policy:
                 policy_args = workload_policy_args(cluster.name, pool)
                 policy_name = gcp.compute.ResourcePolicy(f"{name}-workload-policy", **policy_args, opts=child).name
-            self.tpu_pool = gcp.container.NodePool(
-                f"{name}-tpu",
-                **tpu_pool_args(pool, self.cluster.name, policy_name),
-                opts=child.merge(
-                    pulumi.ResourceOptions(
-                        custom_timeouts=pulumi.CustomTimeouts(create="60m"),
-                        # the autoscaler owns the node count; Pulumi must not set it back
-                        ignore_changes=["nodeCount"] if pool.capacity.scale_to_zero else None,
-                    )
-                ),
-            )
+            for index in range(pool.num_slices):
+                self.tpu_pools.append(gcp.container.NodePool(
+                    f"{name}-tpu" if index == 0 else f"{name}-tpu-{index + 1}",
+                    **tpu_pool_args(pool, self.cluster.name, policy_name, index),
+                    opts=child.merge(
+                        pulumi.ResourceOptions(
+                            custom_timeouts=pulumi.CustomTimeouts(create="60m"),
+                            # the autoscaler owns the node count; Pulumi must not set it back
+                            ignore_changes=["nodeCount"] if pool.capacity.scale_to_zero else None,
+                        )
+                    ),
+                ))  # fmt: skip
         self.name = self.cluster.name
         self.endpoint = self.cluster.endpoint
         self.ca_certificate = self.cluster.master_auth.cluster_ca_certificate

@@ -76,6 +76,12 @@ JOB_LIMITS = {
 }
 
 
+# GKE's nodes per cluster before a quota lift ("Nodes per cluster", cloud.google.com/kubernetes-engine/quotas,
+# read 2026-12); one of them is the head's node.
+MAX_CLUSTER_NODES = 5000
+COMPILE_CACHE_PREFIX = "torch_tpu_compile_cache"
+
+
 class ConfigError(ValueError):
     """Every problem found in the stack's config, reported together."""
 
@@ -120,7 +126,8 @@ class StackConfig:
     region: str | None
     zone: str | None
     mode: str
-    slice: TpuSlice
+    slice: TpuSlice  # one slice; there are num_slices of it
+    num_slices: int
     capacity: SliceCapacity  # where the slice's TPUs come from, and whether it scales to zero
     price_per_chip_hour: float | None  # a negotiated price, over the prices table
     slice_ready_timeout_minutes: int
@@ -134,6 +141,8 @@ class StackConfig:
     image_name: str
     ray_cluster_name: str
     head_cpus: int  # the Ray head's num-cpus: what the data preparation may use there
+    defer_and_fuse: bool  # TorchTPU's TORCH_TPU_DEFER_AND_FUSE on the TPU workers
+    compile_cache: bool  # TorchTPU's tier-3 compile cache in the bucket
     namespace: str
     service_account: str
     job: JobSettings
@@ -146,6 +155,20 @@ class StackConfig:
     @property
     def autopilot(self) -> bool:
         return self.mode == "autopilot"
+
+    @property
+    def compile_cache_root(self) -> str:
+        """Where TorchTPU keeps compiled programs across pods and runs ("" for none): the bucket."""
+        return f"gs://{self.bucket_name}/{COMPILE_CACHE_PREFIX}" if self.compile_cache and not self.local else ""
+
+    @property
+    def chips(self) -> int:
+        """Every slice's chips: what the run bills."""
+        return self.slice.chips * self.num_slices
+
+    @property
+    def hosts(self) -> int:
+        return self.slice.hosts * self.num_slices
 
     @property
     def location(self) -> str:
@@ -281,6 +304,26 @@ def _tpu_slice(r: _Reader) -> TpuSlice | None:
         )
         return None
     return TpuSlice(generation, topology)
+
+
+def _num_slices(r: _Reader, tpu_slice: TpuSlice | None, mode: str, job: JobSettings) -> int:
+    """Slices of the topology: as many as a cluster's nodes hold; in local mode, groups of the CPU workers."""
+    n = r.positive("numSlices")
+    if n > 1 and mode == "local":
+        for name, workers in (
+            ("finetuneWorkers", job.finetune_workers),
+            ("collectivesWorkers", job.collectives_workers),
+        ):
+            if workers % n:
+                r.problem(f"{key('numSlices')}: {n} does not divide {key(name)} {workers}: local mode stands in for "
+                          f"each slice with an equal group of CPU workers; set {name} to a multiple of {n}")  # fmt: skip
+    elif n > 1 and tpu_slice is not None:
+        most = (MAX_CLUSTER_NODES - 1) // tpu_slice.hosts
+        if n > most:
+            r.problem(f"{key('numSlices')}: {n} slices of {tpu_slice.generation.name} {tpu_slice.topology} are "
+                      f"{n * tpu_slice.hosts} TPU hosts, past GKE's {MAX_CLUSTER_NODES} nodes a cluster (one is the "
+                      f"head's): at most {most}, or a larger tpuTopology")  # fmt: skip
+    return n
 
 
 def _place(r: _Reader, mode: str, project: str | None, region: str | None, zone: str | None) -> str | None:
@@ -578,18 +621,18 @@ def _eval_split(r: _Reader, eval_split: str, split: str) -> None:
 
 def _memory(r: _Reader, tpu_slice: TpuSlice, job: JobSettings) -> None:
     """A Gemma 4 size the table knows must fit the slice's device memory, or the preview names what would."""
-    from infra.models import memory_plan, memory_remedies
+    from infra.models import memory_plan, memory_remedy
 
     needed = memory_plan(job, tpu_slice)
     if needed is None or needed.fits:
         return
     parts = ", ".join(f"{k} {v:.1f}" for k, v in needed.parts.items())
-    advice = memory_remedies(job, tpu_slice)
+    advice = memory_remedy(job, tpu_slice)
     r.problem(
         f"{key('model')}: {job.model} needs about {needed.total_gib:.1f} GiB per device on "
         f"{tpu_slice.generation.name} {tpu_slice.topology} ({needed.hbm_gib:g} GiB a device, {needed.usable_gib:.1f} "
         f"usable with the plan's margin): {parts}. "
-        + (f"It would fit with {'; or '.join(advice)}." if advice else "Nothing the stack can set makes it fit.")
+        + (f"It would fit with {advice}." if advice else "Nothing the stack can set makes it fit.")
     )
 
 
@@ -617,13 +660,15 @@ def parse(
     names = _names(r)
     bucket = _bucket(r, stack, project, local)
     job = _job(r, local)
+    num_slices = _num_slices(r, tpu_slice, mode, job)
     _flex_start(r, kind, scale_to_zero, version, job.timeout_minutes, slice_ready_timeout)
     run_minutes = flex_start_run_minutes(job.timeout_minutes, slice_ready_timeout)
     price = _price(r)
     if tpu_slice is not None and mode in GKE_MODES and not r.problems:
         _memory(r, tpu_slice, job)
     switches = {"deletion_protection": r.boolean("deletionProtection"),
-                "bucket_force_destroy": r.boolean("bucketForceDestroy")}  # fmt: skip
+                "bucket_force_destroy": r.boolean("bucketForceDestroy"),
+                "defer_and_fuse": r.boolean("deferAndFuse"), "compile_cache": r.boolean("compileCache")}  # fmt: skip
     if r.problems:
         raise ConfigError(r.problems)
     return StackConfig(
@@ -633,6 +678,7 @@ def parse(
         zone=zone if mode == "standard" else None,
         mode=mode,
         slice=tpu_slice,
+        num_slices=num_slices,
         capacity=SliceCapacity(kind, reservation, scale_to_zero, run_minutes),
         price_per_chip_hour=price,
         slice_ready_timeout_minutes=slice_ready_timeout,

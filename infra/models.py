@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 
-from memory_plan import MemoryPlan, ModelShape, Workload, plan, remedies
+from memory_plan import MemoryPlan, ModelShape, Workload, plan, remedy
 
 MODELS: dict[str, ModelShape] = {
     m.name: m
@@ -68,19 +68,22 @@ def memory_plan(job, tpu_slice) -> MemoryPlan | None:
     return None if model is None else plan(model, workload_of(job, tpu_slice), tpu_slice.hbm_gib_per_device)
 
 
-def memory_remedies(job, tpu_slice) -> list[str]:
+def memory_remedy(job, tpu_slice) -> str | None:
+    """The first setting that makes the plan fit (memory_plan.remedy's order), or None."""
     from infra.tpu import TpuSlice
 
     generation = tpu_slice.generation
     devices = {t: TpuSlice(generation, t).devices for t in generation.topologies}
-    return remedies(known_model(job.model), workload_of(job, tpu_slice), tpu_slice.hbm_gib_per_device, devices)
+    return remedy(known_model(job.model), workload_of(job, tpu_slice), tpu_slice.hbm_gib_per_device, devices,
+                  job.grad_accum)  # fmt: skip
 
 
-def memory_plan_output(job, tpu_slice) -> dict:
-    """The `memoryPlan` stack output: GiB per device by part, the total, the headroom; or why there is none."""
+def memory_plan_output(job, tpu_slice, num_slices: int = 1) -> dict:
+    """The `memoryPlan` stack output: GiB per device by part, the total, the headroom; or why there is none.
+    The model is sharded over one slice's devices whatever the number of slices (each holds a replica)."""
     planned = memory_plan(job, tpu_slice) if tpu_slice is not None else None
     if planned is None:
         return {"model": job.model, "plan": "none at preview: not a Gemma 4 size of infra/models.py; the job "
                 "prints its plan from the model's config.json (memory_plan_gib, each epoch)"}  # fmt: skip
     return {"model": job.model, "slice": f"{tpu_slice.generation.name} {tpu_slice.topology}",
-            "devices": tpu_slice.devices, "estimate": True, **planned.as_output()}  # fmt: skip
+            "devices": tpu_slice.devices, "slices": num_slices, "estimate": True, **planned.as_output()}  # fmt: skip

@@ -62,13 +62,15 @@ def training_records(split: str) -> int | None:
 
 
 def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
-    """(low, high) minutes of training, from the walkthrough's throughput scaled by devices and compute
-    per token; None when the record count or the model's size is unknown before the run."""
+    """(low, high) minutes of training, from the walkthrough's throughput scaled by devices (of every slice:
+    data-parallel scaling, which the gradient all-reduce between slices only approaches) and compute per
+    token; None when the record count or the model's size is unknown before the run."""
     records, model = training_records(cfg.job.dataset_split), known_model(cfg.job.model)
     base = WALKTHROUGH_TOKENS_PER_S.get(cfg.slice.generation.name)
     if (records is None and not cfg.job.max_steps) or model is None or base is None:
         return None
-    tokens_per_s = base * cfg.slice.devices / WALKTHROUGH_DEVICES * E2B_COMPUTE.active_params / model.active_params
+    devices = cfg.slice.devices * cfg.num_slices
+    tokens_per_s = base * devices / WALKTHROUGH_DEVICES * E2B_COMPUTE.active_params / model.active_params
     if cfg.job.activation_checkpointing:
         tokens_per_s /= 4 / 3  # every layer's forward runs twice
     if cfg.job.lora:
@@ -77,7 +79,7 @@ def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
     share = (DOLLY_REAL_SHARE, 1.0) if recipe.packing else (1.0, 1.0)  # rows per record: packed or padded
     eval_share = 1 + (1 / EVAL_SHARE) / 3 if recipe.eval_split != "none" else 1  # the held-out share, forward only
     if cfg.job.max_steps:  # the steps decide: each one global batch of full rows
-        rows = cfg.job.max_steps * cfg.job.batch_size * cfg.slice.devices * cfg.job.grad_accum
+        rows = cfg.job.max_steps * cfg.job.batch_size * devices * cfg.job.grad_accum
         minutes = [rows * cfg.job.seq_len * eval_share / tokens_per_s / 60] * 2
     else:
         minutes = [records * s * cfg.job.epochs * cfg.job.seq_len * eval_share / tokens_per_s / 60 for s in share]
@@ -96,12 +98,13 @@ def unknown_run(cfg: StackConfig) -> str:
 
 
 def cost_estimate(cfg: StackConfig) -> dict:
-    """The `costEstimate` output: the slice's price per hour and what the configured run should cost."""
+    """The `costEstimate` output: the slices' price per hour and what the configured run should cost."""
     if cfg.local:
         return {"estimate": True, "usd_per_hour": None, "note": "mode local runs no TPU slice"}
-    price, chips = price_of(cfg), cfg.slice.chips
-    out = {"estimate": True, "slice": f"{cfg.slice.generation.name} {cfg.slice.topology}", "capacity": cfg.capacity.kind,
-           "chips": chips}  # fmt: skip
+    price, chips = price_of(cfg), cfg.chips
+    slices = f"{cfg.num_slices} x " if cfg.num_slices > 1 else ""
+    out = {"estimate": True, "slice": f"{slices}{cfg.slice.generation.name} {cfg.slice.topology}",
+           "capacity": cfg.capacity.kind, "chips": chips, "slices": cfg.num_slices}  # fmt: skip
     if price is None:
         return out | {"usd_per_hour": None, "note": f"no public price for {cfg.slice.generation.name} "
                       f"{cfg.capacity.kind}: set pricePerChipHour to yours"}  # fmt: skip
@@ -128,7 +131,8 @@ def cost_estimate(cfg: StackConfig) -> dict:
         "walkthrough_usd": usd(walkthrough),
         "assumptions": (
             f"the walkthrough's {WALKTHROUGH_TOKENS_PER_S[cfg.slice.generation.name]:,.0f} padded tokens/s on "
-            f"{WALKTHROUGH_DEVICES} devices for E2B, scaled by devices and by compute per token; packed rows "
+            f"{WALKTHROUGH_DEVICES} devices for E2B, scaled by devices (of every slice: data-parallel scaling) and by "
+            "compute per token; packed rows "
             f"{DOLLY_REAL_SHARE:.0%} (Dolly) to 100% full; "
             f"{OVERHEAD_MINUTES[0]:.0f}-{OVERHEAD_MINUTES[1]:.0f} minutes for nodes, image, load, compile and "
             f"scale-down; the walkthrough's always-on slice {WALKTHROUGH_EXTRA_MINUTES[0]:.0f}-"
@@ -155,7 +159,7 @@ def run_cost(slice_host_hours: float, run_hours: float, cfg: StackConfig) -> dic
     """The `cost` output: what the run's slice cost (host-hours from the scale-up request to the scale-down),
     beside the walkthrough's always-on slice for at least the same wall time."""
     price = None if cfg.local else price_of(cfg)
-    always_on = run_hours * cfg.slice.chips
+    always_on = run_hours * cfg.chips
     chip_hours = slice_host_hours * cfg.slice.generation.chips_per_host if cfg.capacity.scale_to_zero else always_on
     out = {"slice_host_hours": slice_host_hours, "chip_hours": round(chip_hours, 4),
            "walkthrough_chip_hours_at_least": round(always_on, 4)}  # fmt: skip

@@ -1,13 +1,15 @@
-"""The KubeRay RayCluster for the TPU slice, its token Secret, and the wait for its CRD."""
+"""The KubeRay RayCluster for the TPU slices, its token Secret, and the wait for its CRD."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from functools import cache
 
 import pulumi
 import pulumi_kubernetes as k8s
 
-from infra import PROJECT
+from infra import PROJECT, ROOT
 from infra.capacity import HEAD_RESOURCES, SliceCapacity
 from infra.crd_wait import CrdEstablished
 from infra.stop_hook import command as stop_hook
@@ -24,6 +26,11 @@ HEAD_PORTS = (("gcs", 6379), ("dashboard", DASHBOARD_PORT), ("client", 10001))
 # pods once its graceful shutdown is extended (15 s by default: docs.cloud.google.com/kubernetes-engine/
 # docs/concepts/spot-vms, "Termination and graceful shutdown of Spot VMs").
 STOP_WAIT_S, TERMINATION_GRACE_S = 110, 120
+IMAGE_REQUIREMENTS = ROOT / "image" / "requirements.txt"
+# TorchTPU's tier-3 compile cache root: the name torch_tpu's env_vars.h reads
+# (kTorchTpuInternalTier3CompilationCacheRootEnvVar), and the public name its newer cache tests and
+# scripts use; each release reads one of them. A gs:// root is shared by every host and outlives pods.
+COMPILE_CACHE_VARS = ("TORCH_TPU_INTERNAL_TIER3_COMPILATION_CACHE_ROOT", "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT")
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,18 @@ class RayClusterArgs:
     capacity: SliceCapacity
     autopilot: bool
     head_cpus: int  # what Ray may schedule on the head: the data preparation (0: the walkthrough's head)
+    num_slices: int = 1  # replicas of the TPU worker group: one multi-host slice each
+    defer_and_fuse: bool = False  # TORCH_TPU_DEFER_AND_FUSE=1 on the TPU workers
+    compile_cache: str = ""  # TorchTPU's tier-3 cache root ("" none: only its in-pod /dev/shm cache)
+
+
+@cache
+def ray_version(requirements=IMAGE_REQUIREMENTS) -> str:
+    """The Ray the image installs (its pin in image/requirements.txt), which KubeRay is told as rayVersion."""
+    found = re.search(r"^ray\[[a-z,]+\]==(\S+)$", requirements.read_text(), re.MULTILINE)
+    if found is None:
+        raise ValueError(f"{requirements} pins no ray[...]==VERSION")
+    return found.group(1)
 
 
 def head_service(ray_cluster_name: str) -> str:
@@ -65,26 +84,35 @@ def _autopilot_selectors(capacity: SliceCapacity) -> dict[str, str]:
     return {}
 
 
-def worker_replicas(capacity: SliceCapacity) -> dict:
-    """One slice always (the walkthrough), or none until the job resource asks for one.
+def worker_replicas(capacity: SliceCapacity, num_slices: int = 1) -> dict:
+    """Every slice always (the walkthrough's one), or none until the job resource asks for them: a
+    replica of the group is one multi-host slice of `numOfHosts` pods (KubeRay).
 
     With scaleToZero, `replicas` is left out: the CRD defaults it to 0 when the RayCluster is
     created, and since Pulumi never declares it, no later `up` sets it back under a running job
-    (the job resource patches it to 1 and back to 0).
+    (the job resource patches it to num_slices and back to 0).
     """
     if not capacity.scale_to_zero:
-        return {"replicas": 1}
-    return {"minReplicas": 0, "maxReplicas": 1}
+        return {"replicas": num_slices}
+    return {"minReplicas": 0, "maxReplicas": num_slices}
+
+
+def torch_tpu_env(cluster: RayClusterArgs) -> list[dict]:
+    """TorchTPU's switches on the TPU workers (never on the head, nor on the CPU path, which has no RayCluster)."""
+    env = [{"name": "TORCH_TPU_DEFER_AND_FUSE", "value": "1"}] if cluster.defer_and_fuse else []
+    return env + [
+        {"name": name, "value": cluster.compile_cache} for name in COMPILE_CACHE_VARS if cluster.compile_cache
+    ]
 
 
 def ray_cluster_manifest(cluster: RayClusterArgs, image: str) -> dict:
-    """The RayCluster as a plain dict: one CPU head, one worker group spanning the slice."""
+    """The RayCluster as a plain dict: one CPU head, one worker group of a replica per slice."""
     tpu = cluster.tpu
     env = [_token_env(), *tpu.ray_env]
     selectors = tpu.node_selector | (_autopilot_selectors(cluster.capacity) if cluster.autopilot else {})
     worker_group = {
         "groupName": tpu.worker_group,
-        **worker_replicas(cluster.capacity),
+        **worker_replicas(cluster.capacity, cluster.num_slices),
         "numOfHosts": tpu.hosts,
         "rayStartParams": {},
         "template": {
@@ -93,7 +121,7 @@ def ray_cluster_manifest(cluster: RayClusterArgs, image: str) -> dict:
                     {
                         "name": "ray-worker",
                         "image": image,
-                        "env": env,
+                        "env": env + torch_tpu_env(cluster),
                         "resources": {"requests": tpu.worker_resources, "limits": tpu.worker_resources},
                         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
                         "lifecycle": {"preStop": {"exec": {"command": stop_hook(STOP_WAIT_S)}}},
@@ -112,6 +140,7 @@ def ray_cluster_manifest(cluster: RayClusterArgs, image: str) -> dict:
         "kind": KIND,
         "metadata": {"name": cluster.name, "namespace": cluster.namespace},
         "spec": {
+            "rayVersion": ray_version(),
             "headGroupSpec": {
                 "rayStartParams": {"num-cpus": str(cluster.head_cpus)},
                 "template": {

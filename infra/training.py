@@ -54,6 +54,7 @@ def training_settings(cfg: StackConfig) -> dict:
         "lora": job.lora,
         "lora_rank": job.lora_rank,
         "lora_alpha": job.lora_alpha,
+        "num_slices": cfg.num_slices,
         **asdict(job.recipe_settings),
     }
     if cfg.local:
@@ -124,17 +125,18 @@ def price_settings(cfg: StackConfig) -> dict | None:
     if price is None:
         return None
     return {"usd_per_chip_hour": price.usd_per_chip_hour, "chips_per_host": cfg.slice.generation.chips_per_host,
-            "chips": cfg.slice.chips}  # fmt: skip
+            "chips": cfg.chips}  # fmt: skip
 
 
 def slice_settings(cfg: StackConfig) -> dict | None:
-    """What the job resource scales around the jobs: the TPU worker group (scaleToZero only)."""
+    """What the job resource scales around the jobs: the TPU worker group, a replica a slice (scaleToZero only)."""
     if not cfg.capacity.scale_to_zero:
         return None
     return {
         "ray_cluster": cfg.ray_cluster_name,
         "group": cfg.slice.worker_group,
-        "hosts": cfg.slice.hosts,
+        "replicas": cfg.num_slices,
+        "hosts": cfg.hosts,  # of every slice
         "ready_timeout_s": cfg.slice_ready_timeout_minutes * 60,
         "capacity": cfg.capacity.kind,
     }

@@ -148,9 +148,11 @@ def resolve_num_workers(backend: str, topology: str, accelerator_type: str, num_
         per_slice = tpu_devices(topology, accelerator_type)
         devices = per_slice * num_slices
         if num_workers is not None and num_workers != devices:
+            slice_ = f"--topology {topology} on {accelerator_type}"
+            what = (f"{slice_}, which has {devices} devices" if num_slices == 1 else
+                    f"--num-slices {num_slices} x {slice_} ({per_slice} devices a slice, {devices} in all)")  # fmt: skip
             raise JobInputError(
-                f"--num-workers {num_workers} does not match --num-slices {num_slices} x --topology {topology} on "
-                f"{accelerator_type} ({per_slice} devices a slice, {devices} in all); drop --num-workers or pass {devices}"
+                f"--num-workers {num_workers} does not match {what}; drop --num-workers or pass {devices}"
             )
         return devices
     if num_workers is None or num_workers < 1:

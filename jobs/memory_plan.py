@@ -126,40 +126,42 @@ def plan(model: ModelShape, workload: Workload, hbm_gib: float | None = None) ->
     return MemoryPlan({k: v / GIB for k, v in parts.items()}, hbm_gib)
 
 
-def remedies(model: ModelShape, workload: Workload, hbm_gib: float, topologies: dict[str, int]) -> list[str]:
-    """What would fit, in the order to try it: activation checkpointing, LoRA, a smaller batch, a larger
-    topology (`topologies`: name -> devices), a shorter sequence (a power of two)."""
-    found = []
+def remedy(model: ModelShape, workload: Workload, hbm_gib: float, topologies: dict[str, int],
+           grad_accum: int = 1) -> str | None:  # fmt: skip
+    """The first change that fits, with the values to set, trying in this order: activation checkpointing;
+    LoRA; fewer rows a device with `gradAccum` raised to keep the global batch; a larger topology of the same
+    generation (`topologies`: name -> devices). Each step is tried alone and with the ones before it but
+    LoRA (which changes what is trained, so it is never slipped into a full fine-tune's advice); then all
+    of them together; then, last, a shorter sequence (a power of two). None when nothing fits."""
+    rows = workload.batch * grad_accum  # a device's rows per optimizer step (the global batch / devices)
+    batches = [workload.batch] + [b for b in range(workload.batch - 1, 0, -1) if rows % b == 0]
+    larger = [t for t, d in sorted(topologies.items(), key=lambda t: t[1]) if d > workload.devices]
+    steps = [[{}], [{"lora": True}], [{"batch": b} for b in batches[1:]],
+             [{"devices": topologies[t], "batch": b} for t in larger for b in batches]]  # fmt: skip
+    tries = [c | ac for step in steps for c in step for ac in ({}, {"activation_checkpointing": True})]
+    tries += [{"lora": True, "activation_checkpointing": True, "batch": b} | ({"devices": topologies[t]} if t else {})
+              for t in [None, *larger] for b in batches]  # fmt: skip
+    shorter = [2**k for k in range(workload.seq_len.bit_length() - 1, 6, -1) if 2**k < workload.seq_len]
+    tries += [{"seq_len": n} | ac for n in shorter for ac in ({}, {"activation_checkpointing": True})]
+    for changes in tries:
+        changed = {k: v for k, v in changes.items() if getattr(workload, k) != v}
+        if changed and (p := plan(model, replace(workload, **changed), hbm_gib)).fits:
+            names = {d: t for t, d in topologies.items()}
+            same_batch = "; the global batch unchanged" if "batch" in changed else ""
+            return f"{_settings(changed, names, rows)} ({p.total_gib:.1f} GiB{same_batch})"
+    return None
 
-    def fits(w: Workload) -> MemoryPlan | None:
-        p = plan(model, w, hbm_gib)
-        return p if p.fits else None
 
-    if not workload.activation_checkpointing and (p := fits(replace(workload, activation_checkpointing=True))):
-        found.append(f"activationCheckpointing: true ({p.total_gib:.1f} GiB)")
-    if not workload.lora:
-        if p := fits(replace(workload, lora=True)):
-            found.append(f"lora: true ({p.total_gib:.1f} GiB)")
-        elif not workload.activation_checkpointing and (
-            p := fits(replace(workload, lora=True, activation_checkpointing=True))
-        ):
-            found.append(f"lora: true with activationCheckpointing: true ({p.total_gib:.1f} GiB)")
-    batches = [b for b in range(workload.batch - 1, 0, -1) if fits(replace(workload, batch=b))]
-    if batches:
-        found.append(
-            f"batchSize: {batches[0]} ({plan(model, replace(workload, batch=batches[0]), hbm_gib).total_gib:.1f} GiB)"
-        )
-    for name, devices in sorted(topologies.items(), key=lambda t: t[1]):
-        if devices > workload.devices and (p := fits(replace(workload, devices=devices))):
-            found.append(f"tpuTopology: {name} ({p.total_gib:.1f} GiB)")
-            break
-    if not found:
-        shorter = [2**k for k in range(workload.seq_len.bit_length() - 1, 6, -1) if 2**k < workload.seq_len]
-        for seq_len in shorter:
-            if p := fits(replace(workload, seq_len=seq_len)):
-                found.append(f"seqLen: {seq_len} ({p.total_gib:.1f} GiB)")
-                break
-    return found
+def _settings(changed: dict, topology_of: dict[int, str], rows: int) -> str:
+    """The stack keys of a change to a workload, in the advice's order."""
+    said = {
+        "activation_checkpointing": "activationCheckpointing: true",
+        "lora": "lora: true",
+        "batch": f"batchSize: {changed.get('batch')}, gradAccum: {rows // changed.get('batch', 1)}",
+        "devices": f"tpuTopology: {topology_of.get(changed.get('devices'))}",
+        "seq_len": f"seqLen: {changed.get('seq_len')}",
+    }
+    return ", ".join(said[k] for k in said if k in changed)
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

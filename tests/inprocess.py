@@ -87,7 +87,9 @@ def run(settings, rank: int = 0, world: int = 1, epochs: int | None = None, prog
     save = DirectorySaver(checkpointer, root, rank) if root else (lambda *_: None)
     hooks = Hooks(save, lambda _epoch, trained, held_out, _elapsed: trained | held_out, progress)
     try:
-        state = TrainingRun(trainee, optimizer, data, settings, torch.device("cpu"), rank, world, hooks).run(state, epochs)
+        state = TrainingRun(trainee, optimizer, data, settings, torch.device("cpu"), rank, world, hooks).run(
+            state, epochs
+        )
     finally:
         stopping.stop_listening()
     return trainee, state
@@ -184,7 +186,9 @@ def _each_main(rank: int, world: int, rendezvous: str, configs: list, out: str) 
     for config in configs:
         progress = recording_progress(config.max_steps, rank)
         trainee, _ = run(config, rank, world, progress=progress)
-        results.append({"model": full_state(trainee.model), "losses": progress.losses, "grad_norms": progress.grad_norms})
+        results.append(
+            {"model": full_state(trainee.model), "losses": progress.losses, "grad_norms": progress.grad_norms}
+        )
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()

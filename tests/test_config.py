@@ -268,7 +268,7 @@ BAD["eval garbage"] = ("v6e", {"evalSplit": "train[5]"}, "gemma-tpu:evalSplit: '
 BAD["batch over a chip"] = (
     "v6e",
     {"batchSize": "64"},
-    "It would fit with activationCheckpointing: true (15.9 GiB); or",
+    "It would fit with activationCheckpointing: true (15.9 GiB).",
 )
 BAD["sequence over a chip"] = (
     "v6e",

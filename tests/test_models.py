@@ -3,10 +3,10 @@ config; the plan's arithmetic by hand for one row; what fits on each slice, and 
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
-from memory_plan import GIB, HEADROOM, Workload, plan, remedies, shape_of
+from memory_plan import GIB, HEADROOM, Workload, plan, remedy, shape_of
 
 from infra.models import MODELS, known_model
 from infra.tpu import GENERATIONS, TpuSlice
@@ -99,18 +99,39 @@ def test_what_fits_for_every_size_on_each_walkthrough_slice(generation, name):
     assert got == FITS[generation, name]
 
 
-def test_the_advice_names_what_would_fit_in_order():
-    v6e = GENERATIONS["v6e"]
-    topologies = {t: TpuSlice(v6e, t).devices for t in v6e.topologies}
-    advice = remedies(MODELS["31B"], Workload(16, 4, 512), 32.0, topologies)
-    assert advice == [
-        "activationCheckpointing: true (26.3 GiB)",
-        "lora: true with activationCheckpointing: true (11.1 GiB)",
-    ]
-    advice = remedies(MODELS["26B-A4B"], Workload(16, 4, 512), 32.0, topologies)
-    assert [a.split(" (")[0] for a in advice] == [
-        "activationCheckpointing: true", "lora: true", "batchSize: 2", "tpuTopology: 4x8",
-    ]  # fmt: skip
-    # with checkpointing on and batch 16, only more devices help: the smallest topology that fits
-    advice = remedies(MODELS["31B"], Workload(16, 16, 512, activation_checkpointing=True), 32.0, topologies)
-    assert advice[-1].startswith("tpuTopology: 4x8") and advice[0].startswith("lora: true")
+V6E_DEVICES = {t: TpuSlice(GENERATIONS["v6e"], t).devices for t in GENERATIONS["v6e"].topologies}
+# Each step of the advice, and the first case (model, rows, tokens, activation checkpointing on) it answers.
+ADVICE = {
+    "activation checkpointing": ("31B", 4, 512, False, "activationCheckpointing: true (26.3 GiB)"),
+    "lora": ("31B", 16, 512, True, "lora: true (17.3 GiB)"),
+    "lora with checkpointing": ("E4B", 8, 4096, False, "activationCheckpointing: true, lora: true (26.8 GiB)"),
+    "fewer rows, more micro-batches": ("E2B", 4, 8192, False, "activationCheckpointing: true, batchSize: 2, "
+                                       "gradAccum: 2 (19.6 GiB; the global batch unchanged)"),
+    # the case: 31B at 4 x 4,096 tokens a device on v6e 4x4, refused before with "nothing fits"
+    "a larger topology": ("31B", 4, 4096, False, "activationCheckpointing: true, batchSize: 1, gradAccum: 4, "
+                          "tpuTopology: 4x8 (24.8 GiB; the global batch unchanged)"),
+    "a shorter sequence, last": ("31B", 1, 8192, False, "activationCheckpointing: true, seqLen: 2048 (27.1 GiB)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("step", ADVICE)
+def test_the_advice_names_the_first_setting_that_fits_in_order(step):
+    name, batch, seq_len, ac, said = ADVICE[step]
+    workload = Workload(16, batch, seq_len, activation_checkpointing=ac)
+    assert not plan(MODELS[name], workload, 32.0).fits
+    assert remedy(MODELS[name], workload, 32.0, V6E_DEVICES) == said
+    # and what it names does fit: re-planned from its own words
+    changes = {"activation_checkpointing": "activationCheckpointing: true" in said or ac, "lora": "lora: true" in said}
+    for key, field, cast in (("batchSize", "batch", int), ("tpuTopology", "devices", V6E_DEVICES.get),
+                             ("seqLen", "seq_len", int)):  # fmt: skip
+        if f"{key}: " in said:
+            changes[field] = cast(said.split(f"{key}: ")[1].split(",")[0].split(" ")[0])
+    assert plan(MODELS[name], replace(workload, **changes), 32.0).fits
+
+
+def test_the_advice_keeps_the_global_batch_and_says_nothing_when_nothing_fits():
+    workload = Workload(16, 4, 8192)
+    # 4 rows x 3 micro-batches = 12 a device a step: 3 rows x 4 keeps it; with 4 x 1, 3 rows could not (2 x 2)
+    assert "batchSize: 3, gradAccum: 4 " in remedy(MODELS["E2B"], workload, 32.0, V6E_DEVICES, grad_accum=3)
+    assert "batchSize: 2, gradAccum: 2 " in remedy(MODELS["E2B"], workload, 32.0, V6E_DEVICES, grad_accum=1)
+    assert remedy(MODELS["31B"], Workload(16, 4, 512), 1.0, V6E_DEVICES) is None

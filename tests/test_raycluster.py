@@ -20,7 +20,8 @@ TOKEN_ENV = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-secr
 def cfg_for(generation: str, topology: str, **raw) -> RayClusterArgs:
     """The RayCluster's arguments as __main__.py gives them from the stack's config."""
     cfg = parse_as_cli({"tpuGeneration": generation, "tpuTopology": topology, **raw}, stack="t", region="us-east5")
-    return RayClusterArgs(cfg.ray_cluster_name, cfg.namespace, cfg.slice, cfg.capacity, cfg.autopilot, cfg.head_cpus)
+    return RayClusterArgs(cfg.ray_cluster_name, cfg.namespace, cfg.slice, cfg.capacity, cfg.autopilot, cfg.head_cpus,
+                          cfg.num_slices, cfg.defer_and_fuse, cfg.compile_cache_root)  # fmt: skip
 
 
 STOP_HOOK_SOURCE = (Path(__file__).resolve().parent.parent / "infra" / "stop_hook.py").read_text()
@@ -64,6 +65,7 @@ def walkthrough_manifest(group, hosts, memory, shm, accelerator, topology, ironw
         "kind": "RayCluster",
         "metadata": {"name": "ray-torchtpu-cluster", "namespace": "default"},
         "spec": {
+            "rayVersion": "2.60.0",  # beyond the walkthrough: KubeRay is told the image's Ray (image/requirements.txt)
             "headGroupSpec": {
                 "rayStartParams": {"num-cpus": "0"},
                 "template": {
@@ -92,8 +94,8 @@ def walkthrough_manifest(group, hosts, memory, shm, accelerator, topology, ironw
     }
 
 
-# the walkthrough's slice, up from `up` to `destroy`, and its head, which runs no Ray work
-ALWAYS_ON = {"scaleToZero": "false", "headCpus": "0"}
+# the walkthrough's slice, up from `up` to `destroy`, its head, which runs no Ray work, and TorchTPU's defaults
+ALWAYS_ON = {"scaleToZero": "false", "headCpus": "0", "deferAndFuse": "false", "compileCache": "false"}
 FLAVOURS = {
     "v6e": (
         cfg_for("v6e", "4x4", **ALWAYS_ON),
@@ -138,6 +140,41 @@ def test_by_default_the_head_offers_three_cpus_to_the_data_preparation(flavour):
     assert ray_cluster_manifest(replace(cfg, head_cpus=3), IMAGE) == expected
 
 
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_two_slices_are_two_replicas_of_the_group_and_torch_tpu_settings_reach_only_the_tpu_workers(flavour):
+    """A replica of the TPU worker group is one slice of numOfHosts pods; scaled to zero, the group is bounded
+    0..2. TORCH_TPU_DEFER_AND_FUSE and the compile cache in the bucket are on by default, on the workers only."""
+    cfg, walkthrough = FLAVOURS[flavour]
+    topology = cfg.tpu.topology
+    two = cfg_for(cfg.tpu.generation.name, topology, **ALWAYS_ON, numSlices="2")
+    expected = copy.deepcopy(walkthrough)
+    expected["spec"]["workerGroupSpecs"][0]["replicas"] = 2
+    assert ray_cluster_manifest(two, IMAGE) == expected
+    scaled = ray_cluster_manifest(replace(two, capacity=replace(two.capacity, scale_to_zero=True)), IMAGE)
+    group = scaled["spec"]["workerGroupSpecs"][0]
+    assert "replicas" not in group and (group["minReplicas"], group["maxReplicas"]) == (0, 2)
+
+    default = ray_cluster_manifest(cfg_for(cfg.tpu.generation.name, topology, bucketName="bkt-1"), IMAGE)
+    worker_env = default["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["env"]
+    walkthrough_env = walkthrough["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["env"]
+    assert worker_env == walkthrough_env + [
+        {"name": "TORCH_TPU_DEFER_AND_FUSE", "value": "1"},
+        {"name": "TORCH_TPU_INTERNAL_TIER3_COMPILATION_CACHE_ROOT", "value": "gs://bkt-1/torch_tpu_compile_cache"},
+        {"name": "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT", "value": "gs://bkt-1/torch_tpu_compile_cache"},
+    ]
+    assert default["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"] == walkthrough_env
+
+
+def test_ray_version_is_the_image_pin_and_the_local_one():
+    import re
+
+    from infra import ROOT
+    from infra.raycluster import ray_version
+
+    local = re.search(r"^ray\[[a-z,]+\]==(\S+)$", (ROOT / "requirements.txt").read_text(), re.MULTILINE).group(1)
+    assert ray_version() == local == "2.60.0"
+
+
 @pytest.fixture(scope="module")
 def schema():
     if not CRD_FILE.exists():
@@ -150,7 +187,13 @@ def schema():
 @pytest.mark.parametrize("flavour", FLAVOURS)
 @pytest.mark.parametrize(
     "extra",
-    [{}, ALWAYS_ON, {"mode": "autopilot", "spot": "true"}, {"mode": "autopilot", "reservation": "r1"}],
+    [
+        {},
+        ALWAYS_ON,
+        {"mode": "autopilot", "spot": "true"},
+        {"mode": "autopilot", "reservation": "r1"},
+        {"numSlices": "2"},
+    ],
 )
 def test_manifest_passes_strict_crd_validation(schema, flavour, extra):
     cfg = cfg_for(*("v6e", "4x4") if flavour == "v6e" else ("tpu7x", "2x2x2"), **extra)

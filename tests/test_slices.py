@@ -39,7 +39,9 @@ def test_the_slices_must_divide_the_workers_before_any_starts(tiny_assets):
     with pytest.raises(JobInputError, match="--num-slices must be a positive integer"):
         check_inputs(settings(tiny_assets, "--num-workers", "4", "--num-slices", "0"))
     tpu = settings(tiny_assets, "--backend", "tpu", "--num-workers", "16", "--num-slices", "2")
-    with pytest.raises(JobInputError, match=r"--num-workers 16 does not match --num-slices 2 x --topology 4x4.*pass 32"):
+    with pytest.raises(
+        JobInputError, match=r"--num-workers 16 does not match --num-slices 2 x --topology 4x4.*pass 32"
+    ):
         check_inputs(tpu)
 
 

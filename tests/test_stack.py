@@ -132,8 +132,8 @@ def test_scale_to_zero_or_the_walkthroughs_always_on_slice(stack, mode, scale_to
     if on:
         assert "replicas" not in worker and (worker["minReplicas"], worker["maxReplicas"]) == (0, 1)
         assert training["slice"] == {
-            "ray_cluster": "ray-torchtpu-cluster", "group": group, "hosts": hosts, "ready_timeout_s": 1800,
-            "capacity": "onDemand",
+            "ray_cluster": "ray-torchtpu-cluster", "group": group, "replicas": 1, "hosts": hosts,
+            "ready_timeout_s": 1800, "capacity": "onDemand",
         }  # fmt: skip
     else:
         assert worker["replicas"] == 1 and "minReplicas" not in worker and "maxReplicas" not in worker
@@ -274,6 +274,7 @@ def test_training_jobs_resource(run):
         "save_every": 500,
         "eval_every": 500,
         "eval_samples": 4,
+        "num_slices": 1,
         "storage_path": f"gs://demo-project-{run.stack}-checkpoints/ray_train_torchtpu",
     }
     assert training["target"] == {
@@ -435,10 +436,7 @@ def test_31b_on_v6e_is_refused_with_its_advice_then_accepted_with_activation_che
     message = str(err.value)
     assert "gemma-tpu:model: google/gemma-4-31B-it needs about 74.9 GiB per device on v6e 4x4" in message
     assert "(32 GiB a device, 28.8 usable with the plan's margin)" in message and "activations 50.6" in message
-    assert message.endswith(
-        "It would fit with activationCheckpointing: true (26.3 GiB); or lora: true with activationCheckpointing: "
-        "true (11.1 GiB)."
-    )
+    assert message.endswith("It would fit with activationCheckpointing: true (26.3 GiB).")
     accepted = run_program("v6e", stack_config("v6e", model="google/gemma-4-31B-it", activationCheckpointing="true"))
     assert accepted.outputs["memoryPlan"]["fits"] and accepted.outputs["memoryPlan"]["total_gib"] == 26.35
     both = run_program("v6e", stack_config("v6e", model="google/gemma-4-31B-it", activationCheckpointing="true",

@@ -61,6 +61,8 @@ def job_specs(settings: dict, max_failures: int) -> list[JobSpec]:
     placement = ["--backend", settings["backend"]]
     if settings["backend"] == "tpu":
         placement += ["--topology", settings["topology"], "--accelerator-type", settings["accelerator_type"]]
+    if settings.get("num_slices", 1) > 1:
+        placement += ["--num-slices", whole(settings["num_slices"])]
     collectives = [*placement]
     finetune = [*placement]
     if settings["backend"] != "tpu":
@@ -268,6 +270,7 @@ def slice_scaler(props: dict, tokens: TokenSource | None, policy: RetryPolicy, l
     return SliceScaler(
         api, target["namespace"], tpu["ray_cluster"], tpu["group"], int(tpu["hosts"]), tpu["ready_timeout_s"],
         poll_s=min(props["poll_s"], 10), log=log, flex_start=tpu.get("capacity") == "flexStart",
+        replicas=int(tpu.get("replicas", 1)),
     )  # fmt: skip
 
 

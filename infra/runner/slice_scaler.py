@@ -1,10 +1,10 @@
-"""Scales the RayCluster's TPU worker group around the jobs, so the slice bills only while they run.
+"""Scales the RayCluster's TPU worker group around the jobs, so the slices bill only while they run.
 
 Plain Kubernetes, through the API server with the caller's Google credentials: a JSON patch of
-the group's `replicas` (a merge patch would replace the whole workerGroupSpecs list), then a
-wait until every host's worker pod is Ready. GKE adds the slice's nodes for the pods (the node
-pool autoscales 0..hosts; on Autopilot the pods alone ask for them) and removes them once the
-group is back at 0.
+the group's `replicas` (one a slice; a merge patch would replace the whole workerGroupSpecs list),
+then a wait until every host's worker pod of every slice is Ready. GKE adds each slice's nodes for
+its pods (each slice's node pool autoscales 0..hosts; on Autopilot the pods alone ask for them) and
+removes them once the group is back at 0.
 """
 
 from __future__ import annotations
@@ -47,11 +47,12 @@ class SliceScaler:
     namespace: str
     ray_cluster: str
     group: str
-    hosts: int
+    hosts: int  # of every slice together
     ready_timeout_s: float
     poll_s: float = 10
     log: Callable[[str], None] = print
     flex_start: bool = False  # capacity from the Dynamic Workload Scheduler: the wait is for it
+    replicas: int = 1  # slices
     up_since: float | None = field(default=None, init=False)  # monotonic time of the scale-up request
 
     @property
@@ -82,13 +83,14 @@ class SliceScaler:
             raise RuntimeError(f"scaling {self.group} to {replicas}: HTTP {status}: {body.get('message')}")
 
     def up(self) -> None:
-        """Ask for one slice (a no-op when it is there) and wait until all its hosts are Ready."""
+        """Ask for every slice (a no-op when they are there) and wait until all their hosts are Ready."""
         _, replicas = self._group()
         if self.up_since is None:
             self.up_since = time.monotonic()
-        if replicas < 1:
-            self.log(f"TPU slice: scaling worker group {self.group} to 1 ({self.hosts} hosts)")
-            self.set_replicas(1)
+        if replicas < self.replicas:
+            slices = f"{self.replicas} slices, " if self.replicas > 1 else ""
+            self.log(f"TPU slice: scaling worker group {self.group} to {self.replicas} ({slices}{self.hosts} hosts)")
+            self.set_replicas(self.replicas)
         self.wait_ready()
 
     def pods(self) -> list[dict]:
