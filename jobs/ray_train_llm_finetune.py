@@ -6,6 +6,11 @@ Run it on the slice (from the working directory `jobs/`):
         python ray_train_llm_finetune.py --topology 4x4 --accelerator-type TPU-V6E \\
         --storage-path gs://BUCKET/ray_train_torchtpu
 
+On N slices of that topology (a RayCluster whose TPU group has N replicas), add --num-slices N: the
+workers are N x the slice's devices and the model is sharded within each slice and replicated across
+them (HSDP, model.device_mesh). On CPU, --num-slices 2 --num-workers 4 stands two groups of two in for
+slices.
+
 On CPU with the tiny offline assets (python jobs/tiny_assets.py --out .local/assets):
 
     python jobs/ray_train_llm_finetune.py --backend cpu --num-workers 2 --epochs 2 \\

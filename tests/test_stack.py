@@ -428,6 +428,21 @@ def test_the_memory_plan_is_a_preview_output_and_the_walkthroughs_settings_fit()
     assert other["plan"].startswith("none at preview")
 
 
+def test_31b_at_four_rows_of_4096_tokens_is_told_a_full_fine_tune_that_fits_and_that_one_is_accepted():
+    """Neither checkpointing nor one row a device fits on the 4x4; with a 4x8 as well it does. The advice,
+    set as the stack keys it names, previews with a plan that fits."""
+    from infra.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        run_program("v6e", stack_config("v6e", model="google/gemma-4-31B-it", seqLen="4096"))
+    advice = "activationCheckpointing: true, batchSize: 1, gradAccum: 4, tpuTopology: 4x8"
+    assert str(err.value).endswith(f"It would fit with {advice} (24.8 GiB; the global batch unchanged).")
+    keys = dict(item.split(": ") for item in advice.split(", "))
+    accepted = run_program("v6e", stack_config("v6e", model="google/gemma-4-31B-it", seqLen="4096", **keys))
+    plan = accepted.outputs["memoryPlan"]
+    assert plan["fits"] and plan["total_gib"] == pytest.approx(24.8, abs=0.05) and plan["devices"] == 32
+
+
 def test_31b_on_v6e_is_refused_with_its_advice_then_accepted_with_activation_checkpointing():
     from infra.config import ConfigError
 
