@@ -171,24 +171,25 @@ class GkeCluster(pulumi.ComponentResource):
             **cluster_args(cluster),
             opts=child.merge(pulumi.ResourceOptions(custom_timeouts=pulumi.CustomTimeouts(create="45m"))),
         )
-        self.tpu_pools = []
+        self.tpu_pools: list[gcp.container.NodePool] = []
         if pool is not None:
             policy_name = None
             if pool.tpu.generation.uses_workload_policy:
                 policy_args = workload_policy_args(cluster.name, pool)
                 policy_name = gcp.compute.ResourcePolicy(f"{name}-workload-policy", **policy_args, opts=child).name
-            for index in range(pool.num_slices):
-                self.tpu_pools.append(gcp.container.NodePool(
-                    f"{name}-tpu" if index == 0 else f"{name}-tpu-{index + 1}",
-                    **tpu_pool_args(pool, self.cluster.name, policy_name, index),
-                    opts=child.merge(
-                        pulumi.ResourceOptions(
-                            custom_timeouts=pulumi.CustomTimeouts(create="60m"),
-                            # the autoscaler owns the node count; Pulumi must not set it back
-                            ignore_changes=["nodeCount"] if pool.capacity.scale_to_zero else None,
-                        )
-                    ),
-                ))  # fmt: skip
+            opts = child.merge(
+                pulumi.ResourceOptions(
+                    custom_timeouts=pulumi.CustomTimeouts(create="60m"),
+                    # the autoscaler owns the node count; Pulumi must not set it back
+                    ignore_changes=["nodeCount"] if pool.capacity.scale_to_zero else None,
+                )
+            )
+            self.tpu_pools = [
+                # (the first keeps its Pulumi name too: a one-slice stack's pool is never replaced)
+                gcp.container.NodePool(f"{name}-tpu" + (f"-{i + 1}" if i else ""),
+                                       **tpu_pool_args(pool, self.cluster.name, policy_name, i), opts=opts)
+                for i in range(pool.num_slices)
+            ]  # fmt: skip
         self.name = self.cluster.name
         self.endpoint = self.cluster.endpoint
         self.ca_certificate = self.cluster.master_auth.cluster_ca_certificate

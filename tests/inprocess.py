@@ -177,7 +177,7 @@ def recording_progress(total_steps: int, rank: int):
     return progress
 
 
-def _each_main(rank: int, world: int, rendezvous: str, configs: list, out: str) -> None:
+def _each_main(rank: int, world: int, rendezvous: str, configs: list, then, out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -186,18 +186,22 @@ def _each_main(rank: int, world: int, rendezvous: str, configs: list, out: str) 
     for config in configs:
         progress = recording_progress(config.max_steps, rank)
         trainee, _ = run(config, rank, world, progress=progress)
-        results.append(
-            {"model": full_state(trainee.model), "losses": progress.losses, "grad_norms": progress.grad_norms}
-        )
+        trained = {"model": full_state(trainee.model), "losses": progress.losses, "grad_norms": progress.grad_norms}
+        results.append(trained)
+    if then is not None:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, then(rank, world))
+        results.append(gathered)
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
 
 
-def train_each(configs: list, world: int) -> list[dict]:
+def train_each(configs: list, world: int, then=None) -> list:
     """Each of `configs` (with --max-steps) trained in turn on the same `world` gloo ranks; rank 0's
-    {"model": every parameter whole, "losses" and "grad_norms": one a step} for each."""
-    return _spawn(_each_main, world, configs)
+    {"model": every parameter whole, "losses" and "grad_norms": one a step} for each. Then, if given,
+    `then(rank, world)` (a module-level function) on every rank: its results, one a rank, come last."""
+    return _spawn(_each_main, world, configs, then)
 
 
 def interrupted_progress(total_steps: int, rank: int, at: int, how: str):

@@ -232,6 +232,14 @@ BAD_INPUTS = {
         ["--backend", "tpu", "--topology", "2x2x2", "--accelerator-type", "TPU-V7X", "--num-workers", "8"],
         "which has 16 devices",
     ),
+    "slices that do not divide the workers": (
+        ["--backend", "cpu", "--num-workers", "4", "--num-slices", "3"],
+        "--num-slices 3 does not divide --num-workers 4",
+    ),
+    "workers for two slices": (
+        ["--backend", "tpu", "--topology", "4x4", "--num-slices", "2", "--num-workers", "16"],
+        "--num-workers 16 does not match --num-slices 2 x --topology 4x4 on TPU-V6E (16 devices a slice, 32 in all)",
+    ),
 }
 
 

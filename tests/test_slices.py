@@ -1,5 +1,6 @@
 """More than one slice: HSDP over a ("dp_replicate", "dp_shard") mesh trains what FSDP over the same
-devices trains. Four gloo ranks in processes, without Ray: two "slices" of two against one of four."""
+devices trains, and the collectives check covers each slice and the network between them. Four gloo
+ranks in processes, without Ray: two "slices" of two against one of four, in the same processes."""
 
 from __future__ import annotations
 
@@ -8,20 +9,30 @@ import torch
 
 from tests.inprocess import settings, train_each
 
-FLAGS = ("--num-workers", "4", "--batch-size", "1", "--max-steps", "6", "--eval-split", "none", "--eval-samples", "0")
+FLAGS = ("--num-workers", "4", "--batch-size", "1", "--max-steps", "4", "--eval-split", "none", "--eval-samples", "0")
+
+
+def _collectives_rank(rank: int, world: int) -> dict:
+    """One rank of the collectives check on two "slices" of two."""
+    import ray_core_collectives as job
+    from backend import get_backend
+
+    args = vars(job.parse_args(["--backend", "cpu", "--num-workers", str(world), "--num-slices", "2"]))
+    return job.check_rank(get_backend("cpu"), rank, world, args | {"reference_seed": 42})
 
 
 @pytest.fixture(scope="module")
 def layouts(tiny_assets) -> dict:
-    one, two = train_each([settings(tiny_assets, *FLAGS, "--num-slices", n) for n in ("1", "2")], 4)
-    return {"one": one, "two": two}
+    configs = [settings(tiny_assets, *FLAGS, "--num-slices", n) for n in ("1", "2")]
+    one, two, collectives = train_each(configs, 4, then=_collectives_rank)
+    return {"one": one, "two": two, "collectives": collectives}
 
 
 def test_two_slices_of_two_train_what_one_slice_of_four_does(layouts):
     """Every step's loss and gradient norm, and the weights at the end: the replicated dimension sums the
     gradients as the sharded one does (an average there would halve the norm; Adam alone would hide it)."""
     one, two = layouts["one"], layouts["two"]
-    assert len(one["losses"]) == len(two["losses"]) == 6
+    assert len(one["losses"]) == len(two["losses"]) == 4
     assert two["losses"] == pytest.approx(one["losses"], abs=1e-3)
     assert two["grad_norms"] == pytest.approx(one["grad_norms"], abs=1e-3)
     assert min(one["grad_norms"]) > 0.1
@@ -45,36 +56,17 @@ def test_the_slices_must_divide_the_workers_before_any_starts(tiny_assets):
         check_inputs(tpu)
 
 
-def _collectives_rank(rank: int, world: int, rendezvous: str, slices: int, out: str) -> None:
-    from tests.inprocess import _join
-
-    _join(rank, world, rendezvous)
-    import ray_core_collectives as job
-    import torch.distributed as dist
-    from backend import get_backend
-
-    args = vars(job.parse_args(["--backend", "cpu", "--num-workers", str(world), "--num-slices", str(slices)]))
-    result = job.check_rank(get_backend("cpu"), rank, world, args | {"reference_seed": 42})
-    results = [None] * world
-    dist.all_gather_object(results, result)
-    if rank == 0:
-        torch.save(results, out)
-    dist.destroy_process_group()
-
-
-def test_the_collectives_check_covers_each_slice_and_the_network_between_them():
-    """Two "slices" of one rank: the block sharded within each, the all-reduce over both ranks, and the one
-    across the slices (slice 1 + slice 2 = 3 on each)."""
+def test_the_collectives_check_covers_each_slice_and_the_network_between_them(layouts):
+    """The block sharded within each slice of two, the all-reduce over all four ranks (1+2+3+4), and the
+    one across the slices (slice 1 + slice 2 on each rank)."""
     import ray_core_collectives as job
 
-    from tests.inprocess import _spawn
-
-    results = _spawn(_collectives_rank, 2, 2)
-    assert [(r["sum"], r["slices_sum"]) for r in results] == [(3.0, 3.0), (3.0, 3.0)]
-    summary = job.summarise(results, 2, "cpu", 2)
+    results = layouts["collectives"]
+    assert [(r["sum"], r["slices_sum"], r["parity_ok"]) for r in results] == [(10.0, 3.0, True)] * 4
+    summary = job.summarise(results, 4, "cpu", 2)
     assert summary["ok"] and summary["slices"] == 2
     assert "across 2 slices ok" in job.verdict(summary)
-    broken = job.summarise([results[0], results[1] | {"slices_sum_ok": False}], 2, "cpu", 2)
+    broken = job.summarise([*results[:3], results[3] | {"slices_sum_ok": False}], 4, "cpu", 2)
     assert not broken["ok"] and "across 2 slices BROKEN" in job.verdict(broken)
 
 
