@@ -5,7 +5,8 @@ Run it on the slice (from the working directory `jobs/`):
     ray job submit --address http://localhost:8265 --working-dir jobs -- \\
         python ray_core_collectives.py --topology 4x4 --accelerator-type TPU-V6E
 
-On CPU, with the gloo backend and a local Ray (--num-slices 2: two groups of 2 standing in for slices):
+On CPU, with the gloo backend and a local Ray (add --num-slices 2 for two groups of 2 standing in for
+two slices):
 
     python jobs/ray_core_collectives.py --backend cpu --num-workers 4
 

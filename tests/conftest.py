@@ -35,10 +35,15 @@ transformers_logging.get_logger("transformers")
 
 def pytest_collection_modifyitems(items):
     """`e2e`: every test that needs the Ray head (directly or through a fixture); `make test-fast`
-    leaves them out."""
+    leaves them out. The files with the most e2e tests go first: `-n 2 --dist loadfile` hands out whole
+    files in this order, so the two longest (a minute or more each) start at once on the two workers and
+    the short ones fill in around them, instead of one long file starting last on a busy worker."""
+    e2e = {}
     for item in items:
         if "ray_head" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.e2e)
+            e2e[item.path] = e2e.get(item.path, 0) + 1
+    items.sort(key=lambda item: -e2e.get(item.path, 0))  # (stable: within a file, and among the rest, as collected)
 
 
 @pytest.fixture(scope="session")
