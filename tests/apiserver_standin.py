@@ -143,9 +143,10 @@ class ServiceProxyStandin:
 class FakeSlice:
     """A RayCluster's TPU worker group and its pods, as KubeRay and GKE would show them.
 
-    After a scale to 1, each listing of the pods finds one more host Ready (GKE adding the
-    nodes, Ray starting) until all are; with `never_ready`, the pods stay Pending, and their
-    events say why, as the scheduler and the cluster autoscaler do on a quota or stockout.
+    After a scale up, each listing of the pods finds one more host Ready (GKE adding the
+    nodes, Ray starting) until every host of every replica (slice) is; with `never_ready`, the pods
+    stay Pending, and their events say why, as the scheduler and the cluster autoscaler do on a
+    quota or stockout. `hosts` is a slice's.
     """
 
     def __init__(self, ray_cluster: str, group: str, hosts: int, namespace: str = "default", never_ready=False):
@@ -191,13 +192,12 @@ class FakeSlice:
         return 200, self._raycluster()
 
     def _pods(self) -> list[dict]:
-        if self.replicas == 0:
-            return []
+        pods = self.replicas * self.hosts
         if not self.never_ready:
-            self.ready = min(self.hosts, self.ready + 1)
+            self.ready = min(pods, self.ready + 1)
         return [
             {
-                "metadata": {"name": f"{self.group}-0-{i}"},
+                "metadata": {"name": f"{self.group}-{i // self.hosts}-{i % self.hosts}"},  # (the TPU webhook's names)
                 "status": {
                     "conditions": [
                         {"type": "PodScheduled", "status": "True" if i < self.ready else "False"},
@@ -205,7 +205,7 @@ class FakeSlice:
                     ]
                 },
             }
-            for i in range(self.hosts)
+            for i in range(pods)
         ]
 
     def _events(self) -> list[dict]:

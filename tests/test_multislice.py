@@ -105,6 +105,31 @@ def test_scaled_to_zero_the_job_resource_asks_for_every_slice(stack):
         assert pool.inputs["autoscaling"]["maxNodeCount"] == HOSTS[stack]
 
 
+def test_the_scaler_asks_for_every_slice_waits_for_every_host_and_counts_them_all():
+    """Through the API server stand-in: one patch to 2 replicas, the wait until 2 x 4 hosts are Ready, the
+    host-hours of all eight, and one patch back to 0."""
+    from infra.runner import ray_jobs
+    from infra.runner.resilience import FixedToken, RetryPolicy
+    from infra.training import slice_settings
+    from tests.apiserver_standin import FakeSlice, ServiceProxyStandin
+
+    cfg = parse_as_cli({"numSlices": "2"})
+    tpu = FakeSlice(cfg.ray_cluster_name, cfg.slice.worker_group, hosts=cfg.slice.hosts)
+    logged: list[str] = []
+    target = {"kind": "gke", "ca_certificate": None, "namespace": "default",
+              "service": "ray-torchtpu-cluster-head-svc", "port": 8265}  # fmt: skip
+    with ServiceProxyStandin("k8s-bearer", "default", target["service"], 8265, "http://127.0.0.1:9",
+                             fake_slice=tpu) as proxy:  # fmt: skip
+        props = {"target": target | {"endpoint": proxy.url}, "slice": slice_settings(cfg), "poll_s": 0.01}
+        scaler = ray_jobs.slice_scaler(props, FixedToken("k8s-bearer"), RetryPolicy(budget_s=5), logged.append)
+        scaler.up()
+        host_hours = scaler.down()
+    assert tpu.patches == [2, 0]
+    assert logged[0] == "TPU slice: scaling worker group v6e-16 to 2 (2 slices, 8 hosts)"
+    assert "TPU slice: 4/8 hosts ready (GKE is adding nodes)" in logged and "TPU slice: 8/8 hosts ready" in logged
+    assert host_hours > 0 and scaler.hosts == 8  # host-hours of all eight hosts
+
+
 def test_autopilot_asks_for_the_slices_through_the_group_alone():
     run = run_program("v6e", stack_config("v6e", mode="autopilot", numSlices="3", scaleToZero="false"))
     assert run.of_type("gcp:container/nodePool:NodePool") == []
