@@ -63,6 +63,7 @@ def test_standard_mode_makes_a_node_pool_per_slice_each_placed_as_a_slice(two):
         })  # fmt: skip
     first = two.one_slice.one("gcp:container/nodePool:NodePool").inputs
     assert pools[0].inputs == first  # the first slice's pool is the one-slice stack's, unchanged
+    assert pools[1].inputs == first | {"name": "tpu-multi-host-pool-2"}  # and the second is the same slice again
 
 
 def test_the_tpu_group_holds_a_replica_per_slice_and_the_jobs_are_told(two):
@@ -120,7 +121,8 @@ def test_the_scaler_asks_for_every_slice_waits_for_every_host_and_counts_them_al
               "service": "ray-torchtpu-cluster-head-svc", "port": 8265}  # fmt: skip
     with ServiceProxyStandin("k8s-bearer", "default", target["service"], 8265, "http://127.0.0.1:9",
                              fake_slice=tpu) as proxy:  # fmt: skip
-        props = {"target": target | {"endpoint": proxy.url}, "slice": slice_settings(cfg), "poll_s": 0.01}
+        tpu_props = slice_settings(cfg) | {"ready_timeout_s": 5}
+        props = {"target": target | {"endpoint": proxy.url}, "slice": tpu_props, "poll_s": 0.01}
         scaler = ray_jobs.slice_scaler(props, FixedToken("k8s-bearer"), RetryPolicy(budget_s=5), logged.append)
         scaler.up()
         host_hours = scaler.down()
