@@ -123,6 +123,9 @@ def _join(rank: int, world: int, rendezvous: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
 
 
+FORKSERVER_PRELOAD = ["tests.inprocess", "torch", "torch.distributed.fsdp", "transformers", "model", "run_loop"]
+
+
 def _spawn(target, world: int, *args) -> object:
     """`target(rank, world, rendezvous, *args, out)` on `world` ranks (in this process for one); what rank 0
     saved to `out`."""
@@ -135,7 +138,11 @@ def _spawn(target, world: int, *args) -> object:
         if world == 1:
             target(0, *full)
         else:
-            mp.spawn(target, args=full, nprocs=world, join=True)
+            # Forked from a fork server that imported torch and the job's modules once, not spawned (a
+            # fresh interpreter importing them again, several seconds of CPU a rank); the server itself is
+            # single-threaded, so nothing this process's threads hold is inherited.
+            mp.set_forkserver_preload(FORKSERVER_PRELOAD)
+            mp.start_processes(target, args=full, nprocs=world, join=True, start_method="forkserver")
         return torch.load(out, weights_only=False)
 
 
