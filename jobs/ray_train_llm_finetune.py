@@ -338,9 +338,12 @@ def run(settings: FinetuneSettings) -> dict:
     report_file = write_data_report(settings.storage_path, run_name, report)
     if settings.preflight:
         return {"run_name": run_name, "data_report": report, "data_report_file": report_file}
+    import ray
+
     connect_ray(workers)
     held_out = bool((report.get("eval") or {}).get("records_used"))
     result = trainer(settings, workers, run_name, prepared.uri, held_out).fit()
+    ray.shutdown()  # prints the workers' last log lines now (Ray holds repeated ones back), not after the result
     return outputs(settings, run_name, result, report)
 
 
