@@ -160,21 +160,19 @@ def test_numslices_is_checked_naming_the_key(case):
     assert parse_as_cli({"numSlices": "1249"}).num_slices == 1249
 
 
-@pytest.mark.parametrize("stack", ["v6e", "tpu7x"])
-def test_ray_train_counts_as_many_slices_as_the_stack_declares(stack, monkeypatch):
+def test_ray_train_counts_as_many_slices_as_the_stack_declares(two, monkeypatch):
     """Ray 2.60's Train controller derives the slice count from the topology and the workers
     (ray.util.tpu.get_tpu_num_slices_for_workers), counting devices a chip from RAY_TPU_RESOURCE_PER_CHIP
     in its own process: the head's env must carry it on Ironwood, or 32 workers on 2x2x2 would be 4 slices."""
     from backend import resolve_num_workers
     from ray.util.tpu import get_tpu_num_slices_for_workers
 
-    run = run_program(stack, stack_config(stack, numSlices="2"))
-    spec = run.one("kubernetes:ray.io/v1:RayCluster").inputs["spec"]
+    spec = two.one("kubernetes:ray.io/v1:RayCluster").inputs["spec"]
     head_env = {e["name"]: e.get("value") for e in spec["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]}
     monkeypatch.delenv("RAY_TPU_RESOURCE_PER_CHIP", raising=False)
     if "RAY_TPU_RESOURCE_PER_CHIP" in head_env:
         monkeypatch.setenv("RAY_TPU_RESOURCE_PER_CHIP", head_env["RAY_TPU_RESOURCE_PER_CHIP"])
-    settings = run.one("pulumi-python:dynamic:Resource", "training").inputs["settings"]
+    settings = two.one("pulumi-python:dynamic:Resource", "training").inputs["settings"]
     topology, accelerator = settings["topology"], settings["accelerator_type"]
     workers = resolve_num_workers("tpu", topology, accelerator, None, settings["num_slices"])
     assert workers == 32
