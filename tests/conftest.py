@@ -66,16 +66,17 @@ def pytest_configure(config):
     from infra.runner.local_ray import LocalRayHead
 
     config.shared_dir = shared = Path(tempfile.mkdtemp(prefix="gemma-tpu-tests-"))
-    config.shared_head = LocalRayHead(num_cpus=HEAD_CPUS, log_dir=shared).start()
-    head = config.shared_head
-    os.environ[SHARED] = json.dumps(
-        {"port": head.port, "dashboard_port": head.dashboard_port, "assets": make_all(shared / "assets")}
-    )
+    found = {"assets": make_all(shared / "assets")}
+    if config.option.markexpr != "not e2e":  # (`make test-fast` runs no test that needs the head)
+        config.shared_head = LocalRayHead(num_cpus=HEAD_CPUS, log_dir=shared).start()
+        found |= {"port": config.shared_head.port, "dashboard_port": config.shared_head.dashboard_port}
+    os.environ[SHARED] = json.dumps(found)
 
 
 def pytest_unconfigure(config):
     if getattr(config, "shared_head", None) is not None:
         config.shared_head.stop()
+    if getattr(config, "shared_dir", None) is not None:
         shutil.rmtree(config.shared_dir, ignore_errors=True)
     if not hasattr(config, "workerinput"):  # the controller, or a run without workers: nothing left in /tmp
         shutil.rmtree(Path(tempfile.gettempdir()) / "gemma-tpu-scratch", ignore_errors=True)
