@@ -171,6 +171,11 @@ class StackConfig:
         return self.slice.hosts * self.num_slices
 
     @property
+    def devices(self) -> int:
+        """Every slice's devices: the Ray workers, and the data parallelism of the run."""
+        return self.slice.devices * self.num_slices
+
+    @property
     def location(self) -> str:
         """Where the cluster lives: a region for Autopilot, a zone for Standard."""
         return self.region if self.autopilot else self.zone  # type: ignore[return-value]

@@ -69,8 +69,7 @@ def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
     base = WALKTHROUGH_TOKENS_PER_S.get(cfg.slice.generation.name)
     if (records is None and not cfg.job.max_steps) or model is None or base is None:
         return None
-    devices = cfg.slice.devices * cfg.num_slices
-    tokens_per_s = base * devices / WALKTHROUGH_DEVICES * E2B_COMPUTE.active_params / model.active_params
+    tokens_per_s = base * cfg.devices / WALKTHROUGH_DEVICES * E2B_COMPUTE.active_params / model.active_params
     if cfg.job.activation_checkpointing:
         tokens_per_s /= 4 / 3  # every layer's forward runs twice
     if cfg.job.lora:
@@ -79,7 +78,7 @@ def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
     share = (DOLLY_REAL_SHARE, 1.0) if recipe.packing else (1.0, 1.0)  # rows per record: packed or padded
     eval_share = 1 + (1 / EVAL_SHARE) / 3 if recipe.eval_split != "none" else 1  # the held-out share, forward only
     if cfg.job.max_steps:  # the steps decide: each one global batch of full rows
-        rows = cfg.job.max_steps * cfg.job.batch_size * devices * cfg.job.grad_accum
+        rows = cfg.job.max_steps * cfg.job.batch_size * cfg.devices * cfg.job.grad_accum
         minutes = [rows * cfg.job.seq_len * eval_share / tokens_per_s / 60] * 2
     else:
         minutes = [records * s * cfg.job.epochs * cfg.job.seq_len * eval_share / tokens_per_s / 60 for s in share]
