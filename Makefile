@@ -31,10 +31,11 @@ test-fast: $(INSTALLED)
 local: $(INSTALLED)
 	$(BIN)/python -m infra.local_run
 
-# The walkthrough's fine-tune recipe vs the default, side by side (a few minutes on 2 cores), then the data
-# prepared once at 10k, 100k and 1M records (about half an hour).
+# The walkthrough's fine-tune recipe vs the default, side by side (a few minutes on 2 cores), checkpoint writes
+# to the GCS emulator (a minute), then the data prepared once at 10k, 100k and 1M records (about half an hour).
 bench: $(INSTALLED)
 	$(BIN)/python -m bench.finetune
+	$(BIN)/python -m bench.checkpoint_writes
 	$(BIN)/python -m bench.data
 
 clean:

@@ -19,7 +19,7 @@ from infra.prices import cost_estimate, run_cost
 from infra.raycluster import RayCluster, RayClusterArgs, dashboard_command
 from infra.registry import ImageRegistry
 from infra.storage import CheckpointBucket
-from infra.training import TrainingJobs, gke_target, local_target, training_props
+from infra.training import TrainingJobs, gke_target, identity, local_target, training_props
 
 cfg, hf_token = config.load()
 
@@ -65,6 +65,7 @@ else:
             cfg.num_slices,
             cfg.defer_and_fuse,
             cfg.compile_cache_root,
+            cfg.service_account,
         ),
         image=registry.image,
         hf_token=hf_token,
@@ -76,7 +77,7 @@ else:
     target = gke_target(cfg.namespace, cfg.ray_cluster_name, gke.endpoint, gke.ca_certificate)
     training = TrainingJobs(
         "training",
-        training_props(cfg, target, gke.name, registry.image),
+        training_props(cfg, target, gke.name, registry.image, identity=identity(cfg, bucket.member.member)),
         opts=pulumi.ResourceOptions(depends_on=[ray, *uploads]),
     )
     pulumi.export("clusterName", gke.name)

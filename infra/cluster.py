@@ -8,7 +8,7 @@ import pulumi
 import pulumi_gcp as gcp
 
 from infra import PROJECT
-from infra.capacity import SliceCapacity
+from infra.capacity import CRITICAL_PODS_SHUTDOWN_S, SliceCapacity
 from infra.tpu import TpuSlice
 
 TPU_POOL_NAME = "tpu-multi-host-pool"
@@ -104,7 +104,14 @@ def tpu_node_config(pool: TpuPoolArgs) -> dict:
     }
     capacity = pool.capacity
     if capacity.spot:
+        # Preempted, the pods get 15 s of the VM's 30 s unless the kubelet's shutdown grace is raised
+        # (infra/capacity.py): raised, the training saves its step and Ray Train moves the run in time.
+        grace = capacity.grace(autopilot=False)
         node["spot"] = True
+        node["kubelet_config"] = {
+            "shutdown_grace_period_seconds": grace.kubelet_shutdown_s,
+            "shutdown_grace_period_critical_pods_seconds": CRITICAL_PODS_SHUTDOWN_S,
+        }
     if capacity.flex_start:
         # Dynamic Workload Scheduler: GKE gets the capacity when the slice is asked for, and the nodes
         # run at most this long (provisioning, then the collectives check and the fine-tune).

@@ -27,6 +27,7 @@ from infra.capacity import (
     FLEX_START_MIN_GKE,
     HEAD_RESOURCES,
     RESERVATION,
+    SPOT_GRACE_MIN_GKE,
     SliceCapacity,
     flex_start_run_minutes,
 )
@@ -405,6 +406,16 @@ def _flex_start(
         )
 
 
+def _spot_grace(r: _Reader, capacity: str, mode: str, version: str) -> None:
+    """A Standard Spot pool raises its kubelet's shutdown grace (infra/capacity.py), which GKE allows from a
+    given control-plane version: older, a preempted pod would get 15 s, too few to save a step."""
+    if capacity == "spot" and mode == "standard" and parse_version(version) is not None:
+        if not version_at_least(version, SPOT_GRACE_MIN_GKE):
+            r.problem(f"{key('clusterVersion')}: {version!r} cannot give Spot pods more than 15 s to save before a "
+                      f"preemption; need {SPOT_GRACE_MIN_GKE} or newer (GKE's Spot shutdown grace), or another "
+                      f"{key('capacity')}")  # fmt: skip
+
+
 def _price(r: _Reader) -> float | None:
     text = r.value("pricePerChipHour")
     if not text:
@@ -667,6 +678,7 @@ def parse(
     job = _job(r, local)
     num_slices = _num_slices(r, tpu_slice, mode, job)
     _flex_start(r, kind, scale_to_zero, version, job.timeout_minutes, slice_ready_timeout)
+    _spot_grace(r, kind, mode, version)
     run_minutes = flex_start_run_minutes(job.timeout_minutes, slice_ready_timeout)
     price = _price(r)
     if tpu_slice is not None and mode in GKE_MODES and not r.problems:

@@ -10,7 +10,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra import PROJECT, ROOT
-from infra.capacity import HEAD_RESOURCES, SliceCapacity
+from infra.capacity import HEAD_RESOURCES, RAY_SHUTDOWN_DRAIN_S, SliceCapacity
 from infra.crd_wait import CrdEstablished
 from infra.stop_hook import command as stop_hook
 from infra.tpu import TpuSlice
@@ -21,16 +21,11 @@ TOKEN_SECRET = "hf-secret"
 TOKEN_KEY = "hf_api_token"
 DASHBOARD_PORT = 8265
 HEAD_PORTS = (("gcs", 6379), ("dashboard", DASHBOARD_PORT), ("client", 10001))
-# A TPU worker pod's termination: the preStop hook (infra/stop_hook.py) waits up to STOP_WAIT_S for the
-# training workers' save, inside the pod's grace period. 120 s is also the most GKE gives a Spot node's
-# pods once its graceful shutdown is extended (15 s by default: docs.cloud.google.com/kubernetes-engine/
-# docs/concepts/spot-vms, "Termination and graceful shutdown of Spot VMs").
-STOP_WAIT_S, TERMINATION_GRACE_S = 110, 120
 IMAGE_REQUIREMENTS = ROOT / "image" / "requirements.txt"
-# TorchTPU's tier-3 compile cache root: the name torch_tpu's env_vars.h reads
-# (kTorchTpuInternalTier3CompilationCacheRootEnvVar), and the public name its newer cache tests and
-# scripts use; each release reads one of them. A gs:// root is shared by every host and outlives pods.
-COMPILE_CACHE_VARS = ("TORCH_TPU_INTERNAL_TIER3_COMPILATION_CACHE_ROOT", "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT")
+# TorchTPU's tier-3 compile cache root: the one name the torch-tpu 0.2.0 wheel's libraries read
+# (kTorchTpuTier3CompilationCacheRootEnvVar, in torch_tpu/csrc/common/glue_*/libpywrap_*_common.so). A
+# gs:// root is shared by every host and outlives pods.
+COMPILE_CACHE_VAR = "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT"
 
 
 @dataclass(frozen=True)
@@ -44,6 +39,7 @@ class RayClusterArgs:
     num_slices: int = 1  # replicas of the TPU worker group: one multi-host slice each
     defer_and_fuse: bool = False  # TORCH_TPU_DEFER_AND_FUSE=1 on the TPU workers
     compile_cache: str = ""  # TorchTPU's tier-3 cache root ("" none: only its in-pod /dev/shm cache)
+    service_account: str = "default"  # the Kubernetes ServiceAccount every pod runs as (the bucket's grantee)
 
 
 @cache
@@ -100,9 +96,19 @@ def worker_replicas(capacity: SliceCapacity, num_slices: int = 1) -> dict:
 def torch_tpu_env(cluster: RayClusterArgs) -> list[dict]:
     """TorchTPU's switches on the TPU workers (never on the head, nor on the CPU path, which has no RayCluster)."""
     env = [{"name": "TORCH_TPU_DEFER_AND_FUSE", "value": "1"}] if cluster.defer_and_fuse else []
-    return env + [
-        {"name": name, "value": cluster.compile_cache} for name in COMPILE_CACHE_VARS if cluster.compile_cache
-    ]
+    return env + ([{"name": COMPILE_CACHE_VAR, "value": cluster.compile_cache}] if cluster.compile_cache else [])
+
+
+def termination(cluster: RayClusterArgs) -> tuple[dict, dict]:
+    """A TPU worker's (container fields, pod fields) for its end, sized to what its capacity grants
+    (infra/capacity.py): the preStop hook drains the pod's Ray node (infra/stop_hook.py) and `ray start`,
+    which gets SIGTERM after it, finds the node drained and waits at most RAY_SHUTDOWN_DRAIN_S more."""
+    grace = cluster.capacity.grace(cluster.autopilot)
+    container = {
+        "env": [{"name": "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "value": str(RAY_SHUTDOWN_DRAIN_S)}],
+        "lifecycle": {"preStop": {"exec": {"command": stop_hook(grace.drain_s)}}},
+    }
+    return container, {"terminationGracePeriodSeconds": grace.seconds}
 
 
 def ray_cluster_manifest(cluster: RayClusterArgs, image: str) -> dict:
@@ -110,31 +116,31 @@ def ray_cluster_manifest(cluster: RayClusterArgs, image: str) -> dict:
     tpu = cluster.tpu
     env = [_token_env(), *tpu.ray_env]
     selectors = tpu.node_selector | (_autopilot_selectors(cluster.capacity) if cluster.autopilot else {})
+    stop_container, stop_pod = termination(cluster)
     worker_group = {
         "groupName": tpu.worker_group,
         **worker_replicas(cluster.capacity, cluster.num_slices),
         "numOfHosts": tpu.hosts,
-        "rayStartParams": {},
+        "rayStartParams": tpu.ray_start_params,
         "template": {
             "spec": {
+                "serviceAccountName": cluster.service_account,
                 "containers": [
                     {
                         "name": "ray-worker",
                         "image": image,
-                        "env": env + torch_tpu_env(cluster),
+                        "env": env + torch_tpu_env(cluster) + stop_container["env"],
                         "resources": {"requests": tpu.worker_resources, "limits": tpu.worker_resources},
                         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
-                        "lifecycle": {"preStop": {"exec": {"command": stop_hook(STOP_WAIT_S)}}},
+                        "lifecycle": stop_container["lifecycle"],
                     }
                 ],
-                "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+                **stop_pod,
                 "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": tpu.shm_size}}],
                 "nodeSelector": selectors,
             }
         },
     }
-    if tpu.ray_resources:
-        worker_group["resources"] = tpu.ray_resources
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
@@ -145,6 +151,7 @@ def ray_cluster_manifest(cluster: RayClusterArgs, image: str) -> dict:
                 "rayStartParams": {"num-cpus": str(cluster.head_cpus)},
                 "template": {
                     "spec": {
+                        "serviceAccountName": cluster.service_account,
                         "containers": [
                             {
                                 "name": "ray-head",
@@ -153,13 +160,26 @@ def ray_cluster_manifest(cluster: RayClusterArgs, image: str) -> dict:
                                 "env": env,
                                 "resources": {"requests": HEAD_RESOURCES, "limits": HEAD_RESOURCES},
                             }
-                        ]
+                        ],
                     }
                 },
             },
             "workerGroupSpecs": [worker_group],
         },
     }
+
+
+def identity_objects(namespace: str, service_account: str) -> list[dict]:
+    """What the pods' identity needs that a new cluster lacks: the namespace (but `default`) and the
+    ServiceAccount in it (but `default`, which every namespace has). The pods run as that account, and the
+    bucket's IAM member names the same one (infra/storage.py)."""
+    objects = []
+    if namespace != "default":
+        objects.append({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    if service_account != "default":
+        objects.append({"apiVersion": "v1", "kind": "ServiceAccount",
+                        "metadata": {"name": service_account, "namespace": namespace}})  # fmt: skip
+    return objects
 
 
 class RayCluster(pulumi.ComponentResource):
@@ -179,12 +199,18 @@ class RayCluster(pulumi.ComponentResource):
         name = cluster.name
         super().__init__(f"{PROJECT}:infra:RayCluster", name, None, opts)
         k8s_opts = pulumi.ResourceOptions(parent=self, provider=provider)
+        self.identity: list[pulumi.Resource] = []
+        for obj in identity_objects(cluster.namespace, cluster.service_account):
+            kind = {"Namespace": k8s.core.v1.Namespace, "ServiceAccount": k8s.core.v1.ServiceAccount}[obj["kind"]]
+            after = pulumi.ResourceOptions(depends_on=self.identity)  # the namespace first
+            self.identity.append(kind(f"{name}-{obj['kind'].lower()}", metadata=obj["metadata"],
+                                      opts=k8s_opts.merge(after)))  # fmt: skip
         self.secret = k8s.core.v1.Secret(
             f"{name}-hf-token",
             metadata={"name": TOKEN_SECRET, "namespace": cluster.namespace},
             type="Opaque",
             string_data={TOKEN_KEY: pulumi.Output.secret(hf_token)},
-            opts=k8s_opts,
+            opts=k8s_opts.merge(pulumi.ResourceOptions(depends_on=self.identity)),
         )
         self.crd = CrdEstablished(
             f"{name}-crd",
@@ -207,7 +233,7 @@ class RayCluster(pulumi.ComponentResource):
             spec=spec,
             opts=k8s_opts.merge(
                 pulumi.ResourceOptions(
-                    depends_on=[self.crd, self.secret, *depends_on],
+                    depends_on=[self.crd, self.secret, *self.identity, *depends_on],
                     custom_timeouts=pulumi.CustomTimeouts(create="60m", update="60m"),
                 )
             ),

@@ -6,6 +6,7 @@ labels, names and pod sizes are computed from it, never written again elsewhere.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -127,11 +128,20 @@ class TpuSlice:
         return f"{self.generation.name}-{self.devices}"
 
     @property
-    def ray_resources(self) -> dict[str, str]:
-        """Group-level Ray resources: only where Ray cannot count chiplets from google.com/tpu."""
+    def ray_start_params(self) -> dict[str, str]:
+        """The worker group's rayStartParams: where Ray cannot count chiplets from google.com/tpu (KubeRay would
+        advertise its 4 chips), the TPU resource per host.
+
+        In rayStartParams, not the group's `resources` field: that field first appears in KubeRay v1.5.0
+        (ray-project/kuberay#4106), an older operator's CRD has no such field, and v1.7.0 refuses the two
+        together (ray-operator/controllers/ray/utils/validation.go, validateRayGroupResources). The value is
+        quoted as KubeRay's own conversion writes it (pod.go, updateRayStartParamsResources: '{"TPU":8}'):
+        the pod's bash takes the quotes, and KubeRay's parser (getResourcesMap, which trims them) and Ray's
+        autoscaler (kuberay/autoscaling_config.py, _get_custom_resources, which drops the outer pair) read it.
+        """
         if self.generation.devices_per_chip == 1:
             return {}
-        return {"TPU": str(self.devices_per_host)}
+        return {"resources": "'" + json.dumps({"TPU": self.devices_per_host}, separators=(",", ":")) + "'"}
 
     @property
     def ray_env(self) -> list[dict]:

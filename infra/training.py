@@ -28,7 +28,7 @@ OUTPUT_KEYS = (
 )  # fmt: skip
 # How to reach the head, how long to wait and how often to restart: changing them does not
 # re-run anything (max_failures reaches the next job submitted).
-REACH_KEYS = ("target", "timeout_s", "poll_s", "retry_budget_s", "slice", "max_failures", "price")
+REACH_KEYS = ("target", "timeout_s", "poll_s", "retry_budget_s", "slice", "max_failures", "price", "identity")
 # How long a call to the head may keep failing (connection errors, 5xx) before `up` gives up.
 RETRY_BUDGET_S = RetryPolicy.budget_s
 
@@ -99,7 +99,14 @@ def diff_props(olds: dict, news: dict) -> dynamic.DiffResult:
     )
 
 
-def training_props(cfg: StackConfig, target: dict, cluster: pulumi.Input[str], image: pulumi.Input[str]) -> dict:
+def identity(cfg: StackConfig, principal: pulumi.Input[str]) -> dict:
+    """Who the pods are to the bucket, for the job resource's message when their storage check fails."""
+    return {"namespace": cfg.namespace, "service_account": cfg.service_account, "bucket": cfg.bucket_name,
+            "principal": principal}  # fmt: skip
+
+
+def training_props(cfg: StackConfig, target: dict, cluster: pulumi.Input[str], image: pulumi.Input[str],
+                   identity: dict | None = None) -> dict:  # fmt: skip
     """The resource's inputs; `make local` builds the same and calls the provider with them."""
     return {
         "stack": cfg.stack,
@@ -114,6 +121,7 @@ def training_props(cfg: StackConfig, target: dict, cluster: pulumi.Input[str], i
         "retry_budget_s": RETRY_BUDGET_S,
         "slice": slice_settings(cfg),
         "price": price_settings(cfg),
+        "identity": identity,
     }
 
 

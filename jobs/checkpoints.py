@@ -27,6 +27,7 @@ import tempfile
 from concurrent.futures import Future
 
 from backend import worker_print
+from storage import checkpoint_writer_options, fsspec_options
 
 STATE_FILE = "train_state.json"
 EXPORT_DIR = "model"
@@ -123,15 +124,15 @@ class ShardedCheckpointer:
 
         self.wait()
         state = self._state()
+        writer_options = checkpoint_writer_options(target)
         if self.use_async:
             if self.stager is None:
                 # Kept for the run: it allocates the CPU copy of this rank's shard once and refills
                 # it each epoch. Pinned memory and background staging would need CUDA.
                 self.stager = DefaultStager(StagingOptions(False, False, False, False))
             try:
-                self.pending = dcp.async_save(
-                    state, storage_writer=FsspecWriter(target), async_stager=self.stager, process_group=self.group
-                )
+                self.pending = dcp.async_save(state, storage_writer=FsspecWriter(target, **writer_options),
+                                              async_stager=self.stager, process_group=self.group)  # fmt: skip
                 return self.pending
             except (RuntimeError, NotImplementedError) as err:  # raised while staging, before any write
                 worker_print(
@@ -140,7 +141,7 @@ class ShardedCheckpointer:
                 )
                 self.close()
                 self.use_async = False
-        dcp.save(state, storage_writer=FsspecWriter(target), process_group=self.group)
+        dcp.save(state, storage_writer=FsspecWriter(target, **writer_options), process_group=self.group)
         done: Future = Future()
         done.set_result(None)
         return done
@@ -165,7 +166,7 @@ class ShardedCheckpointer:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         state = self._state(with_rng=same_world)
-        dcp.load(state, storage_reader=FsspecReader(source), process_group=self.group)
+        dcp.load(state, storage_reader=FsspecReader(source, **fsspec_options(source)), process_group=self.group)
         set_state_dict(
             self.model,
             self.optimizer,

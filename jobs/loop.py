@@ -98,25 +98,25 @@ def resumable_sampler() -> type:
 
 
 def train_step(model, optimizer, micro_batches: list, lr: float, max_grad_norm: float, packing: bool, device,
-               stop: bool = False) -> dict:  # fmt: skip
+               stop: bool = False, preempted: bool = False) -> dict:  # fmt: skip
     """One optimizer step over one global batch (this rank's micro-batches, and every other rank's).
 
     The loss is the sum of every predicted token's loss over the global batch divided by their
     global count, which one all-reduce gives before any backward pass; FSDP sums the gradients
     over ranks (apply_fsdp), so nothing divides twice. The same all-reduce carries this rank's
-    request to stop (`stop`, from stopping.py): "stop" in the result says whether any rank asked.
-    Returns tensors (no device sync).
+    request to stop (`stop`: SIGTERM) and its preemption notice (`preempted`), from stopping.py:
+    "stop" and "preempted" in the result say whether any rank had one. Returns tensors (no device sync).
     """
     import torch
     import torch.distributed as dist
 
     counts = torch.tensor(
         [sum(int(predicted_tokens(b[2])) for b in micro_batches), sum(int(b[1].sum()) for b in micro_batches),
-         float(stop)],
+         float(stop), float(preempted)],
         dtype=torch.float32,
         device=device,
     )  # fmt: skip
-    dist.all_reduce(counts, op=dist.ReduceOp.SUM)  # [predicted, real, stop requests] over the global batch
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM)  # [predicted, real, stops, notices] over the global batch
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -129,7 +129,7 @@ def train_step(model, optimizer, micro_batches: list, lr: float, max_grad_norm: 
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {"loss_sum": loss_sum, "predicted": counts[0], "real": counts[1], "grad_norm": grad_norm, "lr": lr,
-            "stop": counts[2]}  # fmt: skip
+            "stop": counts[2], "preempted": counts[3]}  # fmt: skip
 
 
 def micro_batch_groups(loader, grad_accum: int):

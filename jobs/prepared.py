@@ -34,6 +34,7 @@ from backend import JobInputError
 from recipe import IGNORE
 from render import RecordError, conversation, detect_format, load_tokenizer, render, require_chat_template, tokenize
 from sft_data import Source, pack_rows, row_tensors, splits
+from storage import filesystem, gcs
 
 PREPARED_DIR = "prepared"
 FORMAT = 1  # bumped whenever what a preparation writes changes
@@ -133,11 +134,10 @@ def _npy(array) -> bytes:
 def run_chunk(chunk: Chunk, source: SourceFiles, settings, target: str) -> dict:
     """One task: render the chunk and write its three arrays under `target` (a URI); returns its stats."""
     import numpy as np
-    import pyarrow.fs
 
     ids, trained, stats = render_chunk(chunk, _reopen(source), _tokenizer(settings.tokenizer_ref), settings)
     if not stats.errors:
-        fs, base = pyarrow.fs.FileSystem.from_uri(target)
+        fs, base = filesystem(target)
         directory = f"{base}/{chunk.split}"
         fs.create_dir(directory, recursive=True)
         arrays = {
@@ -248,10 +248,8 @@ def split_report(results: list[dict]) -> dict:
 
 def _file_digest(name: str) -> str:
     """A file's content: sha256 of its bytes here; a gs:// object's checksum and generation (no download)."""
-    import fsspec
-
     if name.startswith("gs://"):
-        info = fsspec.filesystem("gs").info(name)
+        info = gcs().info(name)
         return json.dumps([info.get(k) for k in ("md5Hash", "crc32c", "generation", "size")])
     digest = hashlib.sha256()
     with open(name, "rb") as f:
@@ -299,21 +297,15 @@ class Prepared:
     reused: bool
 
 
-def _fs(uri: str):
-    import pyarrow.fs
-
-    return pyarrow.fs.FileSystem.from_uri(uri)
-
-
 def _exists(uri: str) -> bool:
     import pyarrow.fs
 
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     return fs.get_file_info(path).type != pyarrow.fs.FileType.NotFound
 
 
 def _write(uri: str, payload: bytes) -> None:
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     with fs.open_output_stream(path) as f:
         f.write(payload)
 
@@ -344,7 +336,7 @@ def prepare(settings, tokenizer, before_work: Callable[[], None] = lambda: None)
         require_chat_template(tokenizer, settings.tokenizer_ref)
     target = f"{settings.storage_path.rstrip('/')}/{PREPARED_DIR}/{data_key(settings, tokenizer)}"
     if _exists(f"{target}/DONE"):
-        fs, path = _fs(f"{target}/report.json")
+        fs, path = filesystem(f"{target}/report.json")
         with fs.open_input_stream(path) as f:
             return Prepared(target, json.loads(f.read()), reused=True)
     before_work()
@@ -375,7 +367,7 @@ def local_directory(uri: str) -> str:
 
     import pyarrow.fs
 
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     if isinstance(fs, pyarrow.fs.LocalFileSystem):
         return path
     local = os.path.join(tempfile.gettempdir(), f"prepared-{os.path.basename(path)}")

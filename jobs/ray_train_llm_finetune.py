@@ -79,7 +79,6 @@ from run_files import (
     METRICS_FILE,
     SAMPLES_FILE,
     TENSORBOARD_DIR,
-    check_storage,
     last_samples,
     run_dir,
     sample_log,
@@ -88,12 +87,14 @@ from run_files import (
     write_run_report,
 )
 from run_loop import Hooks, TrainingRun, resumed_state
+from storage import probe, ray_storage
 from utilisation import describe, mfu, model_flops_per_token
 
 if TYPE_CHECKING:  # the model (and torch) are imported where they run: the preflight needs neither
     from model import Trainee
 
-REPORT_POLL_S = 0.5  # (the driver's setting reaches the controller: Ray Train propagates it)
+REPORT_POLL_S = 0.5  # (the driver's settings reach the controller: Ray Train propagates them,
+PREEMPTION_POLL_S = 1.0  # ray/train/v2/_internal/constants.py, ENV_VARS_TO_PROPAGATE)
 
 __all__ = ["main", "parse_args", "resolve", "run", "train_loop_per_worker"]
 
@@ -303,6 +304,9 @@ def trainer(settings: FinetuneSettings, workers: int, run_name: str, data: str, 
     # Ray Train's controller takes the workers' reports (and so registers their checkpoints) when it
     # polls them, every 2 s by default; a worker lost just after a save would go back one more save.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(REPORT_POLL_S))
+    # Its preemption watcher polls Ray's draining nodes every 5 s by default: a notice then reaches the
+    # workers well inside the pods' grace (infra/capacity.py) rather than up to 5 s into it.
+    os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", str(PREEMPTION_POLL_S))
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"settings": settings, "data": data},
@@ -310,7 +314,7 @@ def trainer(settings: FinetuneSettings, workers: int, run_name: str, data: str, 
         torch_config=TorchConfig(backend=get_backend(settings.backend).dist_backend),
         run_config=RunConfig(
             name=run_name,
-            storage_path=settings.storage_path,
+            **ray_storage(settings.storage_path),  # gs:// with its retries bounded (storage.py)
             # The latest checkpoint is always kept besides (Ray Train resumes from it); the best by the
             # held-out loss when there is an eval, else by the training loss.
             checkpoint_config=CheckpointConfig(
@@ -318,15 +322,17 @@ def trainer(settings: FinetuneSettings, workers: int, run_name: str, data: str, 
                 checkpoint_score_attribute="eval_loss" if held_out else "loss",
                 checkpoint_score_order="min",
             ),  # fmt: skip
-            # A dead worker (a preempted host, a crash) restarts the group from the latest checkpoint.
-            failure_config=FailureConfig(max_failures=settings.max_failures),
+            # A dead worker (a crash, a lost host) restarts the group from the latest checkpoint, at most
+            # max_failures times. A preemption Ray saw coming (a drained node: the pods' preStop hook) is
+            # counted apart, without limit: each restart goes on from the step saved at its notice.
+            failure_config=FailureConfig(max_failures=settings.max_failures, max_preemption_failures=-1),
         ),
     )
 
 
 def run(settings: FinetuneSettings) -> dict:
     settings, workers = check_inputs(settings)
-    check_storage(settings.storage_path)
+    probe(settings.storage_path)  # the pods' identity can write there, before anything else is done
     # a job on a cluster prepares the data on its CPUs (Ray Data); otherwise in this process
     on_cluster = bool(os.environ.get("RAY_ADDRESS"))
     prepared = prepare(

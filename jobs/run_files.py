@@ -4,28 +4,13 @@ TensorBoard's event files. Local paths and gs:// alike, through pyarrow's filesy
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from backend import JobInputError
 from checkpoints import uri
+from storage import filesystem
 
 METRICS_FILE, LOSS_PLOT, DATA_REPORT, TENSORBOARD_DIR = "metrics.jsonl", "loss.png", "data_report.json", "tensorboard"
 SAMPLES_FILE = "samples.jsonl"
-
-
-def check_storage(storage_path: str) -> None:
-    import pyarrow.fs
-
-    try:
-        fs, base = pyarrow.fs.FileSystem.from_uri(storage_path)
-        fs.create_dir(base, recursive=True)
-        probe = f"{base.rstrip('/')}/.write_probe_{os.getpid()}"
-        with fs.open_output_stream(probe) as f:
-            f.write(b"ok")
-        fs.delete_file(probe)
-    except Exception as err:  # noqa: BLE001  (any failure to write means the same thing to the user)
-        raise JobInputError(f"--storage-path {storage_path!r} cannot be written: {err}") from None
 
 
 def run_dir(storage_path: str, run_name: str) -> str:
@@ -34,9 +19,7 @@ def run_dir(storage_path: str, run_name: str) -> str:
 
 
 def write_run_files(storage_path: str, run_name: str, files: dict[str, bytes]) -> dict[str, str]:
-    import pyarrow.fs
-
-    fs, base = pyarrow.fs.FileSystem.from_uri(storage_path)
+    fs, base = filesystem(storage_path)
     directory = f"{base.rstrip('/')}/{run_name}"
     fs.create_dir(directory, recursive=True)
     for name, payload in files.items():
@@ -166,7 +149,7 @@ def last_samples(samples_uri: str | None) -> list[dict]:
 
     if not samples_uri:
         return []
-    fs, path = pyarrow.fs.FileSystem.from_uri(samples_uri if "://" in samples_uri else str(Path(samples_uri).resolve()))
+    fs, path = filesystem(samples_uri)
     if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
         return []
     with fs.open_input_stream(path) as f:

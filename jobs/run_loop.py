@@ -110,20 +110,25 @@ class TrainingRun:
         running = Running(state["running"], self.rank, self.device)
         settings = self.settings
         for group in micro_batch_groups(self.data.loader, settings.grad_accum):
-            step = state["step"]
+            step, notice = state["step"], stopping.preemption_notice()
             result = train_step(self.trainee.loss, self.optimizer, group, self.schedule.lr(step),
-                                settings.max_grad_norm, settings.packing, self.device, stopping.requested())  # fmt: skip
+                                settings.max_grad_norm, settings.packing, self.device, stopping.requested(),
+                                notice is not None)  # fmt: skip
             running.add(result)
             self.hooks.progress.step(step, result)
             state = state | {"step": step + 1}
             ended = state["step"] in ((epoch + 1) * steps, self.schedule.total_steps)
-            state = self.after_step(state, running, ended, stop=bool(result["stop"]))
+            stop = "preempted" if result["preempted"] else "sigterm" if result["stop"] else None
+            state = self.after_step(state, running, ended, stop)
+            if stop == "preempted" and state["step"] < self.schedule.total_steps:
+                stopping.await_restart(state["step"], self.rank, notice or stopping.preemption_notice())
             if ended:
                 break
         return state
 
-    def after_step(self, state: dict, running: Running, ended: bool, stop: bool) -> dict:
-        """The eval, the checkpoint and the stop that are due after this step."""
+    def after_step(self, state: dict, running: Running, ended: bool, stop: str | None) -> dict:
+        """The eval, the checkpoint and the stop that are due after this step. `stop`: "sigterm" (saved, then
+        StopRequested) or "preempted" (saved; the restart is Ray Train's to make: `epoch` waits for it)."""
         step, settings = state["step"], self.settings
         held_out = {}
         if ended or (settings.eval_every and step % settings.eval_every == 0):
@@ -136,10 +141,10 @@ class TrainingRun:
             sums, since = running.snapshot(self.hooks.progress)
             state = state | {"running": sums, "progress": since}
             if ended:
-                state = self.end_epoch(state, running.last, held_out, stop)
+                state = self.end_epoch(state, running.last, held_out, bool(stop))
             else:
-                self.hooks.save(step_dir_name(step), self.step_metrics(state), state, stop)
-        if stop:
+                self.hooks.save(step_dir_name(step), self.step_metrics(state), state, bool(stop))
+        if stop == "sigterm":
             import torch.distributed as dist
 
             dist.barrier()  # every rank's report is in before any rank's error reaches Ray Train

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from backend import JobInputError
 from data_formats import EVAL_SHARE, LOCAL_DATA
 from recipe import IGNORE, predicted_tokens
+from storage import fsspec_options, gcs
 
 
 def is_local(ref: str) -> bool:
@@ -66,7 +67,7 @@ def data_files(ref: str) -> list[str]:
     """The files a local or gs:// path, directory or glob names, with a known suffix, sorted."""
     import fsspec
 
-    fs, path = fsspec.core.url_to_fs(os.path.expanduser(ref))
+    fs, path = fsspec.core.url_to_fs(os.path.expanduser(ref), **fsspec_options(ref))
     with storage_errors(ref):
         if any(c in path for c in "*?["):
             found = fs.glob(path)
@@ -120,11 +121,9 @@ def local_copy(name: str, into: str) -> str:
     """A gs:// file copied to local disk (gcsfs, the pod's credentials); a local file as it is."""
     if not name.startswith("gs://"):
         return name
-    import fsspec
-
     target = os.path.join(into, f"{len(os.listdir(into))}-{os.path.basename(name)}")
     with storage_errors(name):
-        fsspec.filesystem("gs").get(name, target)
+        gcs().get(name, target)
     return target
 
 

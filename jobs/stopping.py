@@ -1,24 +1,39 @@
-"""A save before a worker goes: SIGTERM becomes a request to stop after the current step.
+"""A save before a worker goes: a preemption Ray saw coming, or SIGTERM, becomes a stop after the current step.
 
-The request rides on the step's count all-reduce (loop.train_step): one more element, so every rank
-learns of it in the same step with no extra synchronisation. Every rank then finishes that step,
-writes a checkpoint of it, waits until Ray Train's controller has taken the report, and raises
-StopRequested; Ray Train restarts the worker group from that checkpoint, so no step is done twice.
+Two ways a stop is asked for, both carried by the step's count all-reduce (loop.train_step: one more
+element each), so every rank learns of it in the same step with no extra synchronisation:
 
-Without this, SIGTERM ends a Ray worker at once: Ray's own handler raises SystemExit in the worker's
-main thread (ray/_private/worker.py, `main_loop`).
+- **A preemption notice** (the GKE path). The TPU pods' preStop hook drains its Ray node (infra/stop_hook.py);
+  Ray Train's PreemptionWatcher sees the drain and writes a PreemptionInfo into every worker's context
+  (ray/train/v2/_internal/execution/preemption.py, worker_group/worker.py `mark_preempt`). Every rank then
+  saves the step and waits: at the drain's deadline Ray Train's controller restarts the group from that
+  checkpoint, off the draining nodes, and charges FailureConfig.max_preemption_failures, not max_failures
+  (controller.py `_handle_preempting_state`, failure_handling/default.py). Raising here instead would be a
+  worker error, charged to max_failures. The notice is read from the worker's context, which is what
+  ray.train.get_preemption_info() returns for this rank, without that call's barrier through Ray's
+  synchronisation actor on every step: the step's own all-reduce agrees on it.
+- **SIGTERM** to a training process (a job run by hand, a cluster without the hook): every rank finishes the
+  step, writes its checkpoint, waits until Ray Train's controller has taken the report, and raises
+  StopRequested; Ray Train restarts the worker group from that checkpoint, so no step is done twice.
+  Without this, SIGTERM ends a Ray worker at once: Ray's own handler raises SystemExit in the worker's main
+  thread (ray/_private/worker.py, `main_loop`).
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 
 from backend import worker_print
 
 _REQUESTED = threading.Event()
 _LISTENING = threading.Event()
 _PREVIOUS: list = []  # the handler this one replaced (Ray's, which ends the worker)
+# Ray Train's wait when a drain gives no deadline (ray/train/v2/_internal/constants.py,
+# DEFAULT_PREEMPTION_DEADLINE_S); a worker still alive this long past its deadline gives up waiting.
+UNKNOWN_DEADLINE_S = 120.0
+RESTART_MARGIN_S = 30.0
 
 
 class StopRequested(RuntimeError):
@@ -27,6 +42,16 @@ class StopRequested(RuntimeError):
 
 def requested() -> bool:
     return _REQUESTED.is_set()
+
+
+def preemption_notice():
+    """This worker's PreemptionInfo from Ray Train (deadline_ms: when its node goes), or None."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context().preemption_context.preemption_info
+    except Exception:  # noqa: BLE001  (no Ray Train here, or a Ray without the watcher: no notice)
+        return None
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -73,12 +98,25 @@ def stop_listening() -> None:
     _LISTENING.clear()
 
 
+def await_restart(step: int, rank: int, notice, clock=time.time) -> None:
+    """After the save of `step` on a preemption notice: wait for Ray Train to end this group at the drain's
+    deadline and restart it from that save; SIGTERM now ends the process, as Ray sends it. A group Ray has
+    not ended RESTART_MARGIN_S past the deadline stops itself (StopRequested), so nothing waits forever."""
+    stop_listening()
+    deadline_ms = getattr(notice, "deadline_ms", None)
+    deadline = deadline_ms / 1000 if deadline_ms else clock() + UNKNOWN_DEADLINE_S
+    if rank == 0:
+        worker_print(f"preemption notice: step {step} saved; Ray Train restarts the run from it off the draining "
+                     f"node(s) at the drain's deadline ({max(0.0, deadline - clock()):.0f} s)")  # fmt: skip
+    while clock() < deadline + RESTART_MARGIN_S:
+        time.sleep(0.5)
+    raise StopRequested(f"preempted after step {step} (its checkpoint is saved), and not restarted by Ray Train")
+
+
 def wait_until_taken(timeout_s: float = 120.0) -> None:
     """Until Ray Train's controller has taken this worker's reports, so the checkpoint just reported is
     registered before the worker group fails. (Ray Train V2 queues a worker's reports until its
     controller's next poll, which marks them done: an internal queue, hence the fallback.)"""
-    import time
-
     try:
         from ray.train.v2._internal.execution.context import get_train_context
 

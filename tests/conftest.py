@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(items):
     the short ones fill in around them, instead of one long file starting last on a busy worker."""
     e2e = {}
     for item in items:
-        if "ray_head" in getattr(item, "fixturenames", ()):
+        if "ray_head" in getattr(item, "fixturenames", ()) or item.get_closest_marker("e2e"):
             item.add_marker(pytest.mark.e2e)
             e2e[item.path] = e2e.get(item.path, 0) + 1
     items.sort(key=lambda item: -e2e.get(item.path, 0))  # (stable: within a file, and among the rest, as collected)

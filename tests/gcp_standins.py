@@ -20,10 +20,20 @@ SERVICE_ACCOUNT = "ray-pods@demo-project.iam.gserviceaccount.com"
 PROJECT_ID = "demo-project"
 
 
-class MetadataStandin:
-    """GCE/GKE metadata server: ping, default service account, token, project id. Records requests."""
+# What GKE's metadata server answers for a token when Workload Identity cannot mint one (the pod's
+# ServiceAccount not bound, or the pool not ready): an HTTP error instead of the token.
+REFUSED_TOKEN = (
+    403,
+    "Unable to generate access token; IAM returned 403 Forbidden: Permission 'iam.serviceAccounts."
+    "getAccessToken' denied on resource (or it may not exist).",
+)
 
-    def __init__(self):
+
+class MetadataStandin:
+    """GCE/GKE metadata server: ping, default service account, token, project id. Records requests.
+    `refuse_tokens`: everything answers but the token, as when the pods' Workload Identity is wrong."""
+
+    def __init__(self, refuse_tokens: bool = False):
         self.requests: list[str] = []
         standin = self
 
@@ -56,6 +66,8 @@ class MetadataStandin:
                 }
                 if path not in answers:
                     return self._send(404, "text/plain", "not found")
+                if refuse_tokens and path.endswith("/token"):
+                    return self._send(REFUSED_TOKEN[0], "text/plain", REFUSED_TOKEN[1])
                 self._send(200, *answers[path])
 
             def _send(self, status: int, content_type: str, body: str):
@@ -84,6 +96,22 @@ class MetadataStandin:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class SilentServer:
+    """A port that accepts connections and never answers: a metadata server that is not ready yet."""
+
+    def __init__(self):
+        import socket
+
+        self.socket = socket.create_server(("127.0.0.1", 0), backlog=64)
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.socket.getsockname()[1]}"
+
+    def close(self) -> None:
+        self.socket.close()
 
 
 def point_storage_at(url: str | None) -> dict[str, str | None]:

@@ -211,9 +211,31 @@ def train_each(configs: list, world: int, then=None) -> list:
     return _spawn(_each_main, world, configs, then)
 
 
+def notice_preemption(deadline_s: float | None) -> None:
+    """What Ray Train's PreemptionWatcher does to a worker when a node of its group drains
+    (ray/train/v2/_internal/execution/worker_group/worker.py, mark_preempt): a PreemptionInfo in the worker's
+    train context, which jobs/stopping.py reads. None clears it. No Ray Train restarts the group here, so the
+    wait after the save gives up at the deadline (stopping.RESTART_MARGIN_S 0)."""
+    import time
+    import types
+
+    import stopping
+    from ray.train.v2._internal.execution.context import set_train_context
+    from ray.train.v2._internal.execution.preemption import PreemptionContext
+    from ray.train.v2.api.preemption import PreemptionInfo
+
+    if deadline_s is None:
+        set_train_context(None)
+        return
+    info = PreemptionInfo(deadline_ms=int((time.time() + deadline_s) * 1000), preempted_node_to_ranks={"n": [0, 1]})
+    set_train_context(types.SimpleNamespace(preemption_context=PreemptionContext(info)))
+    stopping.RESTART_MARGIN_S = 0.0
+
+
 def interrupted_progress(total_steps: int, rank: int, at: int, how: str):
-    """A Progress that, after step `at`, sends this process SIGTERM (`how` "sigterm") or fails as a lost
-    worker group would (`how` "crash"); it records the steps it saw."""
+    """A Progress that, after step `at`, sends this process SIGTERM (`how` "sigterm"), fails as a lost
+    worker group would (`how` "crash"), or gets Ray Train's preemption notice (`how` "preempt", a drain with
+    a 1 s deadline); it records the steps it saw."""
     import signal
 
     from loop import Progress
@@ -228,6 +250,8 @@ def interrupted_progress(total_steps: int, rank: int, at: int, how: str):
                 os.kill(os.getpid(), signal.SIGTERM)
             if step + 1 == at and how == "crash":
                 raise ConnectionError(f"lost after step {at}")
+            if step + 1 == at and how == "preempt":
+                notice_preemption(1.0)
 
     progress = Interrupting(10**9, total_steps, rank)
     progress.seen = []
@@ -260,6 +284,8 @@ def _attempts_main(rank: int, world: int, rendezvous: str, config, plan: list[di
             result |= {"state": state, "model": full_state(trainee.model)}
         except (stopping.StopRequested, ConnectionError) as err:
             result["ended"] = type(err).__name__
+            result["why"] = str(err)
+        notice_preemption(None)
         results.append(result | {"seen": progress.seen})
         dist.barrier()
     if rank == 0:
@@ -269,6 +295,6 @@ def _attempts_main(rank: int, world: int, rendezvous: str, config, plan: list[di
 
 def attempts(config, world: int, plan: list[dict]) -> list[dict]:
     """Runs of `config` on `world` gloo ranks in one set of processes, one attempt after another: each
-    {"root": its checkpoints, "resume": go on from the latest under root, "stop": {rank: (step, "sigterm"
-    or "crash")}}. Rank 0's results: {"ended", "from", "state", "model", "seen"} each."""
+    {"root": its checkpoints, "resume": go on from the latest under root, "stop": {rank: (step, "sigterm",
+    "crash" or "preempt")}}. Rank 0's results: {"ended", "why", "from", "state", "model", "seen"} each."""
     return _spawn(_attempts_main, world, config, plan)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench import checkpoint_writes
 from bench import data as data_bench
 from bench import finetune as bench
 
@@ -55,3 +56,10 @@ def test_data_bench_smoke_prepares_in_parallel_then_reuses(ray_head, tmp_path, c
     assert row["on_ray_data"]  # prepared in parallel, on the head's CPUs
     assert row["prepare_s"] > 0 and row["prepare_peak_gib"] > 0 and row["first_step_s"] is None
     assert "to first step" in printed and "again / first" in printed and "    300" in printed
+
+
+def test_checkpoint_write_bench_smoke_prints_the_ratio(capsys):
+    out = checkpoint_writes.main(["--mb", "8", "--repeats", "1"])
+    printed = capsys.readouterr().out
+    assert set(out["seconds"]) == {"defaults (1 file, 5 MiB blocks)", "the jobs' (jobs/storage.py)"}
+    assert out["ratio"] > 0 and "the jobs' / defaults" in printed and "MB/s" in printed

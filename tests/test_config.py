@@ -39,11 +39,11 @@ def test_derived_values(generation, topology):
         "cloud.google.com/gke-tpu-topology": topology,
     }
     if generation == "tpu7x":
-        assert tpu.devices_per_host == 8 and tpu.ray_resources == {"TPU": "8"}
+        assert tpu.devices_per_host == 8 and tpu.ray_start_params == {"resources": "'{\"TPU\":8}'"}
         assert tpu.ray_env == [{"name": "RAY_TPU_RESOURCE_PER_CHIP", "value": "2"}]
         assert tpu.generation.ray_accelerator_type == "TPU-V7X"
     else:
-        assert tpu.devices_per_host == 4 and tpu.ray_resources == {} and tpu.ray_env == []
+        assert tpu.devices_per_host == 4 and tpu.ray_start_params == {} and tpu.ray_env == []
         assert tpu.generation.ray_accelerator_type == "TPU-V6E"
 
 

@@ -21,7 +21,7 @@ def cfg_for(generation: str, topology: str, **raw) -> RayClusterArgs:
     """The RayCluster's arguments as __main__.py gives them from the stack's config."""
     cfg = parse_as_cli({"tpuGeneration": generation, "tpuTopology": topology, **raw}, stack="t", region="us-east5")
     return RayClusterArgs(cfg.ray_cluster_name, cfg.namespace, cfg.slice, cfg.capacity, cfg.autopilot, cfg.head_cpus,
-                          cfg.num_slices, cfg.defer_and_fuse, cfg.compile_cache_root)  # fmt: skip
+                          cfg.num_slices, cfg.defer_and_fuse, cfg.compile_cache_root, cfg.service_account)  # fmt: skip
 
 
 STOP_HOOK_SOURCE = (Path(__file__).resolve().parent.parent / "infra" / "stop_hook.py").read_text()
@@ -35,18 +35,21 @@ def walkthrough_manifest(group, hosts, memory, shm, accelerator, topology, ironw
         "groupName": group,
         "replicas": 1,
         "numOfHosts": hosts,
-        "rayStartParams": {},
+        # the walkthrough's group-level `resources: {TPU: "8"}`, where every KubeRay reads it
+        "rayStartParams": {"resources": """'{"TPU":8}'"""} if ironwood else {},
         "template": {
             "spec": {
+                "serviceAccountName": "default",
                 "containers": [
                     {
                         "name": "ray-worker",
                         "image": IMAGE,
-                        "env": [TOKEN_ENV, *extra_env],
+                        # beyond the walkthrough: `ray start`, sent SIGTERM after the drain, stops within 5 s
+                        "env": [TOKEN_ENV, *extra_env, {"name": "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "value": "5"}],
                         "resources": {"requests": worker_resources, "limits": worker_resources},
                         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
-                        # beyond the walkthrough: the training workers save before the pod goes
-                        "lifecycle": {"preStop": {"exec": {"command": ["python", "-c", STOP_HOOK_SOURCE, "110"]}}},
+                        # beyond the walkthrough: the pod's Ray node is drained (a 105 s deadline) before it goes
+                        "lifecycle": {"preStop": {"exec": {"command": ["python", "-c", STOP_HOOK_SOURCE, "105"]}}},
                     }
                 ],
                 "terminationGracePeriodSeconds": 120,
@@ -58,8 +61,6 @@ def walkthrough_manifest(group, hosts, memory, shm, accelerator, topology, ironw
             }
         },
     }
-    if ironwood:
-        worker["resources"] = {"TPU": "8"}
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
@@ -70,6 +71,7 @@ def walkthrough_manifest(group, hosts, memory, shm, accelerator, topology, ironw
                 "rayStartParams": {"num-cpus": "0"},
                 "template": {
                     "spec": {
+                        "serviceAccountName": "default",
                         "containers": [
                             {
                                 "name": "ray-head",
@@ -85,7 +87,7 @@ def walkthrough_manifest(group, hosts, memory, shm, accelerator, topology, ironw
                                     "limits": {"cpu": "4", "memory": "16Gi"},
                                 },
                             }
-                        ]
+                        ],
                     }
                 },
             },
@@ -157,12 +159,13 @@ def test_two_slices_are_two_replicas_of_the_group_and_torch_tpu_settings_reach_o
     default = ray_cluster_manifest(cfg_for(cfg.tpu.generation.name, topology, bucketName="bkt-1"), IMAGE)
     worker_env = default["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["env"]
     walkthrough_env = walkthrough["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["env"]
-    assert worker_env == walkthrough_env + [
+    assert worker_env == walkthrough_env[:-1] + [
         {"name": "TORCH_TPU_DEFER_AND_FUSE", "value": "1"},
-        {"name": "TORCH_TPU_INTERNAL_TIER3_COMPILATION_CACHE_ROOT", "value": "gs://bkt-1/torch_tpu_compile_cache"},
         {"name": "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT", "value": "gs://bkt-1/torch_tpu_compile_cache"},
+        walkthrough_env[-1],
     ]
-    assert default["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"] == walkthrough_env
+    head_env = default["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    assert head_env == walkthrough["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
 
 
 def test_ray_version_is_the_image_pin_and_the_local_one():

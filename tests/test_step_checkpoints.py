@@ -17,17 +17,22 @@ FLAGS = ("--max-steps", "9", "--save-every", "4", "--eval-every", "5", "--eval-s
 def runs(tiny_assets, tmp_path_factory) -> dict:
     """9 steps (6 an epoch): uninterrupted; lost after step 5 (both ranks, as Ray Train ends a group), then
     on from the latest save; rank 1 sent SIGTERM after step 2, then on from the latest save."""
-    roots = {name: str(tmp_path_factory.mktemp(name)) for name in ("straight", "lost", "stopped")}
+    roots = {name: str(tmp_path_factory.mktemp(name)) for name in ("straight", "lost", "stopped", "preempted")}
     plan = [
         {"root": roots["straight"]},
         {"root": roots["lost"], "stop": {0: (5, "crash"), 1: (5, "crash")}},
         {"root": roots["lost"], "resume": True},
         {"root": roots["stopped"], "stop": {1: (2, "sigterm")}},
         {"root": roots["stopped"], "resume": True},
+        # Ray Train's watcher marks every worker, each when its call arrives: rank 1 after step 2, rank 0 after 3
+        {"root": roots["preempted"], "stop": {1: (2, "preempt"), 0: (3, "preempt")}},
+        {"root": roots["preempted"], "resume": True},
     ]
-    straight, lost, after_loss, stopped, after_stop = attempts(settings(tiny_assets, *FLAGS), 2, plan)
+    straight, lost, after_loss, stopped, after_stop, preempted, after_notice = attempts(
+        settings(tiny_assets, *FLAGS), 2, plan
+    )
     return {"straight": straight, "lost": lost, "after_loss": after_loss, "stopped": stopped,
-            "after_stop": after_stop, "roots": roots}  # fmt: skip
+            "after_stop": after_stop, "preempted": preempted, "after_notice": after_notice, "roots": roots}  # fmt: skip
 
 
 def same_run(resumed: dict, straight: dict) -> None:
@@ -94,3 +99,15 @@ def test_a_restart_keeps_the_answers_up_to_its_step_and_refuses_a_checkpoint_wit
     assert resumed_state({"epoch": 1, "step": 6, "attempt": 2, "world_size": 4}, 2)["attempt"] == 3
     with pytest.raises(RuntimeError, match="did not record its step; start a new run"):
         resumed_state({"epoch": 1, "history": [], "attempt": 1, "world_size": 2}, 2)
+
+
+def test_a_preemption_notice_saves_the_next_step_on_every_rank_then_waits_for_ray_trains_restart(runs):
+    """Rank 1's notice rides on step 3's count all-reduce: both ranks save step 3, then wait for Ray Train to
+    restart them at the drain's deadline, not raising (a worker error would be charged to maxFailures);
+    without a Ray Train here they give up at the deadline. The restart goes on from step 3."""
+    preempted = runs["preempted"]
+    assert preempted["ended"] == "StopRequested" and preempted["seen"] == [1, 2, 3]
+    assert "preempted after step 3 (its checkpoint is saved), and not restarted by Ray Train" in preempted["why"]
+    resumed = runs["after_notice"]
+    assert resumed["from"] == "checkpoint_step_0000003" and resumed["seen"] == [4, 5, 6, 7, 8, 9]
+    same_run(resumed, runs["straight"])

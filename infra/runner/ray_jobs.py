@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from storage import PROBE_FAILED  # (a job module: infra puts jobs/ on the path)
+
 from infra import JOBS_DIR
 from infra.runner.job_client import Log, LogFollower, SubmitUncertain, connect, default_log
 from infra.runner.kube_api import KubeApi, api_server_url
@@ -352,12 +354,28 @@ def run_job(client, props: dict, spec: JobSpec, policy: RetryPolicy, needs_slice
     submission_id = find_or_submit(client, spec, job_base, runtime_env, policy, log, needs_slice)
     try:
         return wait(client, spec, submission_id, props["timeout_s"], props["poll_s"], log), submission_id
+    except JobFailed as err:
+        if PROBE_FAILED in str(err) and props.get("identity"):
+            raise JobFailed(f"{err}\n{identity_hint(props['identity'])}") from None
+        raise
     except KeyboardInterrupt:
         log(
             f"[{spec.name}] interrupted: job {submission_id} keeps running on the cluster; `pulumi up` "
             "re-attaches to it (and then scales the slice down), `pulumi destroy` stops it"
         )
         raise
+
+
+def identity_hint(identity: dict) -> str:
+    """The stack's side of a failed storage check: whom it granted the bucket to, and what to look at."""
+    account, bucket = f"{identity['namespace']}/{identity['service_account']}", identity["bucket"]
+    return (
+        f"The Ray pods run as Kubernetes ServiceAccount {account}; the stack grants roles/storage.objectAdmin on "
+        f"gs://{bucket} to its Workload Identity principal {identity['principal']}. Check both are there "
+        f"(kubectl -n {identity['namespace']} get serviceaccount {identity['service_account']}; gcloud storage "
+        f"buckets get-iam-policy gs://{bucket}). GKE's metadata server may also still have been starting on a new "
+        "node: then `pulumi up` again runs the check again. Nothing was written to the bucket."
+    )
 
 
 def stop_active(props: dict, job_ids: dict, log: Log = default_log, tokens: TokenSource | None = None) -> list[str]:

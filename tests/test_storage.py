@@ -1,0 +1,121 @@
+"""Storage that fails loudly and early: the run's storage checked as the pods' identity before any work, gcsfs
+never anonymous, pyarrow's retries bounded, checkpoint shards written in parallel; the job resource's
+message names the stack's ServiceAccount and principal. Google endpoints are stand-ins on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from tests.gcp_standins import MetadataStandin, SilentServer
+
+JOBS = Path(__file__).resolve().parent.parent / "jobs"
+
+
+def objects(emulator, bucket: str = "demo-data") -> list[str]:
+    with urllib.request.urlopen(f"{emulator.url}/storage/v1/b/{bucket}/o", timeout=10) as response:
+        return [item["name"] for item in json.loads(response.read()).get("items", [])]
+
+
+@pytest.mark.parametrize("metadata", ["refuses tokens", "does not answer"])
+def test_the_run_stops_before_any_work_when_the_pods_get_no_token(metadata, storage, tiny_assets):
+    """Workload Identity refusing the pod a token, or GKE's metadata server not ready: the job stops at its
+    storage check within about a minute, naming the bucket, and nothing reaches the bucket (gcsfs would have
+    written anonymously; pyarrow would have retried for 15 minutes)."""
+    server = MetadataStandin(refuse_tokens=True).start() if metadata == "refuses tokens" else SilentServer()
+    env = os.environ | dict.fromkeys(("GCE_METADATA_HOST", "GCE_METADATA_ROOT", "GCE_METADATA_IP"), server.host)
+    argv = ["--backend", "cpu", "--num-workers", "1", "--model", tiny_assets["model"], "--dataset",
+            tiny_assets["dataset"], "--split", "train[:16]", "--storage-path", "gs://demo-data/runs"]  # fmt: skip
+    started = time.monotonic()
+    try:
+        job = subprocess.run([sys.executable, str(JOBS / "ray_train_llm_finetune.py"), *argv], env=env,
+                             capture_output=True, text=True, timeout=150)  # fmt: skip
+    finally:
+        (server.stop if isinstance(server, MetadataStandin) else server.close)()
+    elapsed = time.monotonic() - started
+    assert job.returncode == 2, job.stderr[-3000:]
+    assert "error: storage check failed: --storage-path 'gs://demo-data/runs': getting Google credentials" in job.stderr
+    assert "roles/storage.objectAdmin on gs://demo-data" in job.stderr and "Traceback" not in job.stderr
+    assert elapsed < 75 and objects(storage) == []
+
+
+def test_with_credentials_the_check_writes_reads_and_deletes_through_both_clients(storage, metadata_server):
+    from storage import probe
+
+    asked = len(metadata_server.requests)
+    probe("gs://demo-data/runs/r1")
+    assert objects(storage) == []  # the probe's objects are gone again
+    assert any(r.endswith("/token") for r in metadata_server.requests[asked:])
+
+
+def test_gcsfs_is_pinned_to_google_credentials_and_pyarrow_gives_up_in_a_minute():
+    import pyarrow.fs
+    from storage import RETRY_S, checkpoint_writer_options, filesystem, fsspec_options, gcs, ray_storage
+
+    assert RETRY_S == 60 and gcs().credentials.method == "google_default"
+    assert fsspec_options("gs://b/p") == {"token": "google_default"} and fsspec_options("/tmp/p") == {}
+    fs, path = filesystem("gs://b/prefix")
+    assert path == "b/prefix" and fs.__reduce__()[1][0]["retry_time_limit"] == timedelta(seconds=60)
+    given = ray_storage("gs://b/prefix")
+    assert given["storage_path"] == "b/prefix" and isinstance(given["storage_filesystem"], pyarrow.fs.GcsFileSystem)
+    assert ray_storage("/tmp/runs") == {"storage_path": "/tmp/runs"}
+    assert checkpoint_writer_options("gs://b/c") == {"thread_count": 4, "block_size": 16 << 20,
+                                                     "token": "google_default"}  # fmt: skip
+    assert checkpoint_writer_options("/tmp/c") == {}
+
+
+def test_a_sharded_checkpoint_on_gs_is_written_by_several_threads_and_loads_back(storage, tiny_assets, gloo_rank):
+    """DCP's writer gets the thread count: this rank's shard is CHECKPOINT_THREADS files, all read back."""
+    import torch
+    from checkpoints import ShardedCheckpointer
+    from storage import CHECKPOINT_THREADS
+
+    from tests.inprocess import build, settings
+
+    trainee, optimizer = build(settings(tiny_assets))
+    checkpointer = ShardedCheckpointer(trainee.model, optimizer, 0, use_async=False)
+    checkpointer.save("gs://demo-data/runs/r/checkpoint_step_0000001").result()
+    shards = [n for n in objects(storage) if n.endswith(".distcp")]
+    assert len(shards) == CHECKPOINT_THREADS
+    before = {n: p.detach().clone() for n, p in trainee.model.named_parameters()}
+    with torch.no_grad():
+        for p in trainee.model.parameters():
+            p.add_(1.0)
+    checkpointer.load("gs://demo-data/runs/r/checkpoint_step_0000001", same_world=True)
+    for name, p in trainee.model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.detach(), before[name], msg=name)
+
+
+def test_the_job_resource_names_the_stack_s_serviceaccount_and_principal(monkeypatch):
+    """A failed storage check reaches `pulumi up` with whom the stack granted the bucket to."""
+    from storage import PROBE_FAILED
+
+    from infra.runner import ray_jobs
+
+    identity = {"namespace": "ml", "service_account": "ray-pods", "bucket": "p-v6e-checkpoints",
+                "principal": "principal://iam.googleapis.com/projects/1/.../subject/ns/ml/sa/ray-pods"}  # fmt: skip
+    failed = ray_jobs.JobFailed(f"[preflight] job x ended FAILED; last 50 log lines:\nerror: {PROBE_FAILED}: ...")
+    monkeypatch.setattr(ray_jobs, "find_or_submit", lambda *a, **k: "x")
+    monkeypatch.setattr(ray_jobs, "wait", lambda *a, **k: (_ for _ in ()).throw(failed))
+    props = {"stack": "v6e", "cluster": "c", "image": "i", "code": "h", "settings": {}, "timeout_s": 1, "poll_s": 1,
+             "identity": identity}  # fmt: skip
+    spec = ray_jobs.JobSpec("preflight", "ray_train_llm_finetune.py", ())
+    with pytest.raises(ray_jobs.JobFailed) as err:
+        ray_jobs.run_job(None, props, spec, None, lambda: None, print)
+    message = str(err.value)
+    assert "Kubernetes ServiceAccount ml/ray-pods" in message and identity["principal"] in message
+    assert "gs://p-v6e-checkpoints" in message and PROBE_FAILED in message
+    other = ray_jobs.JobFailed("[finetune] job y ended FAILED: out of memory")
+    monkeypatch.setattr(ray_jobs, "wait", lambda *a, **k: (_ for _ in ()).throw(other))
+    with pytest.raises(ray_jobs.JobFailed, match="out of memory") as err:
+        ray_jobs.run_job(None, props, spec, None, lambda: None, print)
+    assert "ServiceAccount" not in str(err.value)
