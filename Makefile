@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: test test-fast lint local bench clean
+.PHONY: test test-fast lint local bench pulumi-yaml clean
 
 $(INSTALLED): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ lint: $(INSTALLED)
 	$(BIN)/ruff format --check .
 	$(BIN)/hadolint image/Dockerfile
 	$(BIN)/check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
+	$(BIN)/python -m infra.pulumi_yaml --check
+
+# Pulumi.yaml's fine-tune keys, written from the settings' declarations (jobs/settings.py).
+pulumi-yaml: $(INSTALLED)
+	$(BIN)/python -m infra.pulumi_yaml
 
 # Two workers on one shared Ray head (tests/conftest.py): the end-to-end runs mostly wait, so they overlap.
 test: lint

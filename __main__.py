@@ -10,15 +10,15 @@ The `local` stack declares only the jobs, against a Ray head on this machine.
 import pulumi
 
 from infra import config
-from infra.apis import ProjectApis
-from infra.cluster import ClusterArgs, GkeCluster, TpuPoolArgs
-from infra.dataset import DatasetFile
-from infra.kube import KubernetesAccess
+from infra.apis import ProjectApis, ProjectApisArgs
+from infra.cluster import ClusterArgs, GkeCluster, GkeClusterArgs, TpuPoolArgs
+from infra.dataset import DatasetFile, DatasetFileArgs
+from infra.kube import KubernetesAccess, KubernetesAccessArgs
 from infra.models import memory_plan_output
 from infra.prices import cost_estimate, run_cost
-from infra.raycluster import RayCluster, RayClusterArgs, dashboard_command
-from infra.registry import ImageRegistry
-from infra.storage import CheckpointBucket
+from infra.raycluster import RayCluster, RayClusterArgs, RayClusterSpec, dashboard_command
+from infra.registry import ImageRegistry, ImageRegistryArgs
+from infra.storage import CheckpointBucket, CheckpointBucketArgs
 from infra.training import TrainingJobs, gke_target, identity, local_target, training_props
 
 cfg, hf_token = config.load()
@@ -26,53 +26,77 @@ cfg, hf_token = config.load()
 if cfg.local:
     training = TrainingJobs("training", training_props(cfg, local_target(cfg.ray_address), "local", "local"))
 else:
-    after_apis = pulumi.ResourceOptions(depends_on=ProjectApis("apis", cfg.project).services)
-    cluster = ClusterArgs(
-        name=cfg.cluster_name,
-        project=cfg.project,
-        location=cfg.location,
-        version=cfg.cluster_version,
-        deletion_protection=cfg.deletion_protection,
-        autopilot=cfg.autopilot,
-        head_machine_type=cfg.head_machine_type,
-        scale_to_zero=cfg.capacity.scale_to_zero,
+    after_apis = pulumi.ResourceOptions(depends_on=ProjectApis("apis", ProjectApisArgs(project=cfg.project)).services)
+    pool = None
+    if not cfg.autopilot:  # Autopilot makes the TPU nodes for the RayCluster's pods itself
+        pool = TpuPoolArgs(
+            project=cfg.project,
+            zone=cfg.zone,
+            region=cfg.region,
+            tpu=cfg.slice,
+            capacity=cfg.capacity,
+            num_slices=cfg.num_slices,
+        )
+    gke = GkeCluster(
+        cfg.cluster_name,
+        GkeClusterArgs(
+            cluster=ClusterArgs(
+                name=cfg.cluster_name,
+                project=cfg.project,
+                location=cfg.location,
+                version=cfg.cluster_version,
+                deletion_protection=cfg.deletion_protection,
+                autopilot=cfg.autopilot,
+                head_machine_type=cfg.head_machine_type,
+                scale_to_zero=cfg.capacity.scale_to_zero,
+            ),
+            pool=pool,
+        ),
+        opts=after_apis,
     )
-    pool = None if cfg.autopilot else TpuPoolArgs(cfg.project, cfg.zone, cfg.region, cfg.slice, cfg.capacity,
-                                                  cfg.num_slices)  # fmt: skip
-    gke = GkeCluster(cfg.cluster_name, cluster, pool, opts=after_apis)
     bucket = CheckpointBucket(
         "checkpoints",
-        bucket_name=cfg.bucket_name,
-        project=cfg.project,
-        region=cfg.region,
-        force_destroy=cfg.bucket_force_destroy,
-        namespace=cfg.namespace,
-        service_account=cfg.service_account,
+        CheckpointBucketArgs(
+            bucket_name=cfg.bucket_name,
+            project=cfg.project,
+            region=cfg.region,
+            force_destroy=cfg.bucket_force_destroy,
+            namespace=cfg.namespace,
+            service_account=cfg.service_account,
+        ),
         opts=pulumi.ResourceOptions(depends_on=[gke.cluster]),
     )
-    uploads = [DatasetFile("dataset", cfg.job.dataset_file, bucket.name).object] if cfg.job.dataset_file else []
-    registry = ImageRegistry("registry", project=cfg.project, region=cfg.region, repository=cfg.repository,
-                             image_name=cfg.image_name, opts=after_apis)  # fmt: skip
-    kube = KubernetesAccess("gke", gke.name, gke.endpoint, gke.ca_certificate)
+    uploads = [DatasetFile("dataset", DatasetFileArgs(path=cfg.dataset_file, bucket=bucket.name)).object
+               ] if cfg.dataset_file else []  # fmt: skip
+    registry = ImageRegistry(
+        "registry",
+        ImageRegistryArgs(project=cfg.project, region=cfg.region, repository=cfg.repository, image_name=cfg.image_name),
+        opts=after_apis,
+    )
+    kube = KubernetesAccess(
+        "gke", KubernetesAccessArgs(cluster_name=gke.name, endpoint=gke.endpoint, ca_certificate=gke.ca_certificate)
+    )
     ray = RayCluster(
+        cfg.ray_cluster_name,
         RayClusterArgs(
-            cfg.ray_cluster_name,
-            cfg.namespace,
-            cfg.slice,
-            cfg.capacity,
-            cfg.autopilot,
-            cfg.head_cpus,
-            cfg.num_slices,
-            cfg.defer_and_fuse,
-            cfg.compile_cache_root,
-            cfg.service_account,
+            spec=RayClusterSpec(
+                name=cfg.ray_cluster_name,
+                namespace=cfg.namespace,
+                tpu=cfg.slice,
+                capacity=cfg.capacity,
+                autopilot=cfg.autopilot,
+                head_cpus=cfg.head_cpus,
+                num_slices=cfg.num_slices,
+                defer_and_fuse=cfg.defer_and_fuse,
+                compile_cache=cfg.compile_cache_root,
+                service_account=cfg.service_account,
+            ),
+            image=registry.image,
+            hf_token=hf_token,
+            endpoint=gke.endpoint,
+            ca_certificate=gke.ca_certificate,
         ),
-        image=registry.image,
-        hf_token=hf_token,
-        provider=kube.provider,
-        endpoint=gke.endpoint,
-        ca_certificate=gke.ca_certificate,
-        depends_on=[bucket.member, *gke.tpu_pools],
+        opts=pulumi.ResourceOptions(providers=[kube.provider], depends_on=[bucket.member, *gke.tpu_pools]),
     )
     target = gke_target(cfg.namespace, cfg.ray_cluster_name, gke.endpoint, gke.ca_certificate)
     training = TrainingJobs(

@@ -17,13 +17,11 @@ import argparse
 import logging
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "jobs")]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,8 +43,8 @@ def write_seconds(state: dict, target: str, options: dict) -> float:
 def main(argv: list[str] | None = None) -> dict:
     import torch
     import torch.distributed as dist
-    from storage import checkpoint_writer_options, fsspec_options
 
+    from infra.job_modules import storage
     from tests.gcp_standins import MetadataStandin, StorageEmulator, isolate_google_clients
 
     args = parse_args(argv)
@@ -58,8 +56,8 @@ def main(argv: list[str] | None = None) -> dict:
     isolate_google_clients(metadata.host, "http://127.0.0.1:9", Path(tempfile.mkdtemp(prefix="gcloud-")))
     emulator = StorageEmulator().start()
     emulator.create_bucket("bench-ckpt")
-    settings = {"defaults (1 file, 5 MiB blocks)": fsspec_options("gs://bench-ckpt"),
-                "the jobs' (jobs/storage.py)": checkpoint_writer_options("gs://bench-ckpt")}  # fmt: skip
+    settings = {"defaults (1 file, 5 MiB blocks)": storage.fsspec_options("gs://bench-ckpt"),
+                "the jobs' (jobs/storage.py)": storage.checkpoint_writer_options("gs://bench-ckpt")}  # fmt: skip
     state = {f"w{i}": torch.randn(1024, 1024) for i in range(args.mb // 4)}
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/rendezvous", rank=0, world_size=1)
     try:

@@ -31,9 +31,10 @@ import sys
 import time
 from pathlib import Path
 
+import infra.job_modules  # noqa: F401  (the one door to jobs/: the bench imports their modules by their own names)
+
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "jobs" / "ray_train_llm_finetune.py"
-sys.path.insert(0, str(ROOT / "jobs"))
 RECIPES = {
     "walkthrough": ("--recipe", "walkthrough"),
     "default": ("--recipe", "default"),
@@ -70,17 +71,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_assets(out: Path, size: str, rows: int) -> dict[str, str]:
-    from tiny_assets import make_dataset, make_model, make_tokenizer
+    from infra.job_modules import tiny_assets
 
     model_dir, data_file = out / f"model-{size}", out / f"dolly-{rows}.jsonl"
     if not (model_dir / "config.json").exists():
-        tokens = len(make_tokenizer(model_dir))
+        tokens = len(tiny_assets.make_tokenizer(model_dir))
         # `vocab`: the tiny shape with Gemma 4's vocabulary, whose logits dominate a step's memory
-        make_model(
+        tiny_assets.make_model(
             model_dir, vocab_size=GEMMA4_VOCAB if size == "vocab" else tokens, size="tiny" if size == "vocab" else size
         )
     if not data_file.exists():  # and 1/16 more: the default recipe's held-out eval takes them
-        make_dataset(data_file, rows=rows + -(-rows // 16), mix="dolly")
+        tiny_assets.make_dataset(data_file, rows=rows + -(-rows // 16), mix="dolly")
     return {"model": str(model_dir), "dataset": str(data_file)}
 
 

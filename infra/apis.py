@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pulumi
 import pulumi_gcp as gcp
 
@@ -15,13 +17,18 @@ SERVICES = (
 )
 
 
+@dataclass(frozen=True, kw_only=True)
+class ProjectApisArgs:
+    project: str
+
+
 class ProjectApis(pulumi.ComponentResource):
-    def __init__(self, name: str, project: str, opts: pulumi.ResourceOptions | None = None):
+    def __init__(self, name: str, args: ProjectApisArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{PROJECT}:infra:ProjectApis", name, None, opts)
         self.services = [
             gcp.projects.Service(
                 service.split(".")[0],
-                project=project,
+                project=args.project,
                 service=service,
                 # Other things in the project may use these APIs; destroy must not cut them off.
                 disable_on_destroy=False,

@@ -14,7 +14,7 @@ from infra.tpu import TpuSlice
 TPU_POOL_NAME = "tpu-multi-host-pool"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ClusterArgs:
     name: str
     project: str
@@ -26,7 +26,7 @@ class ClusterArgs:
     scale_to_zero: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TpuPoolArgs:
     """Standard mode's TPU slice node pools (Autopilot has none: its pods ask for TPUs)."""
 
@@ -165,13 +165,18 @@ def pool_size(pool: TpuPoolArgs) -> dict:
     }
 
 
+@dataclass(frozen=True, kw_only=True)
+class GkeClusterArgs:
+    cluster: ClusterArgs
+    pool: TpuPoolArgs | None  # None in Autopilot
+
+
 class GkeCluster(pulumi.ComponentResource):
     """The cluster; in Standard mode also a TPU node pool per slice (and Ironwood's workload policy)."""
 
-    def __init__(
-        self, name: str, cluster: ClusterArgs, pool: TpuPoolArgs | None, opts: pulumi.ResourceOptions | None = None
-    ):
+    def __init__(self, name: str, args: GkeClusterArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{PROJECT}:infra:GkeCluster", name, None, opts)
+        cluster, pool = args.cluster, args.pool
         child = pulumi.ResourceOptions(parent=self)
         self.cluster = gcp.container.Cluster(
             name,

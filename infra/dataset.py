@@ -7,6 +7,7 @@ gs:// URI in the job's arguments (a new run), and an unchanged one changes nothi
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import pulumi
@@ -34,16 +35,22 @@ def dataset_ref(dataset: str, dataset_file: str, bucket_name: str | None) -> str
     return f"gs://{bucket_name}/{object_name(dataset_file)}"
 
 
+@dataclass(frozen=True, kw_only=True)
+class DatasetFileArgs:
+    path: str  # the file on this machine
+    bucket: pulumi.Input[str]
+
+
 class DatasetFile(pulumi.ComponentResource):
     """datasetFile, as an object in the checkpoint bucket (the pods already read and write there)."""
 
-    def __init__(self, name: str, path: str, bucket: pulumi.Input[str], opts: pulumi.ResourceOptions | None = None):
+    def __init__(self, name: str, args: DatasetFileArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{PROJECT}:infra:DatasetFile", name, None, opts)
         self.object = gcp.storage.BucketObject(
             name,
-            bucket=bucket,
-            name=object_name(path),
-            source=pulumi.FileAsset(path),
+            bucket=args.bucket,
+            name=object_name(args.path),
+            source=pulumi.FileAsset(args.path),
             opts=pulumi.ResourceOptions(parent=self),
         )
         self.uri = pulumi.Output.concat("gs://", self.object.bucket, "/", self.object.name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pulumi
 import pulumi_kubernetes as k8s
@@ -44,18 +45,20 @@ def kubeconfig(name: str, endpoint: str, ca_certificate_b64: str) -> str:
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class KubernetesAccessArgs:
+    cluster_name: pulumi.Input[str]
+    endpoint: pulumi.Input[str]
+    ca_certificate: pulumi.Input[str]
+
+
 class KubernetesAccess(pulumi.ComponentResource):
-    def __init__(
-        self,
-        name: str,
-        cluster_name: pulumi.Input[str],
-        endpoint: pulumi.Input[str],
-        ca_certificate: pulumi.Input[str],
-        opts: pulumi.ResourceOptions | None = None,
-    ):
+    """A kubeconfig (secret) and a Kubernetes provider for the new cluster."""
+
+    def __init__(self, name: str, args: KubernetesAccessArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{PROJECT}:infra:KubernetesAccess", name, None, opts)
         self.kubeconfig = pulumi.Output.secret(
-            pulumi.Output.all(cluster_name, endpoint, ca_certificate).apply(lambda a: kubeconfig(*a))
+            pulumi.Output.all(args.cluster_name, args.endpoint, args.ca_certificate).apply(lambda a: kubeconfig(*a))
         )
         self.provider = k8s.Provider(
             name,

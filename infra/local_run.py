@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import yaml
-from run_files import last_samples  # (a job module: infra puts jobs/ on the path)
 
 from infra import PROJECT, ROOT, config
+from infra.job_modules import run_files, tiny_assets
 from infra.prices import cost_estimate, estimate_line
 from infra.runner.local_ray import LocalRayHead
 from infra.training import _TrainingJobsProvider, local_target, training_props
@@ -50,7 +50,7 @@ def print_outputs(outputs: dict) -> None:
     print("  losses:      " + "; ".join(epoch_losses(h) for h in outputs["history"]))
     print(f"  lossCurve:   {outputs['loss_curve']}  (metrics.jsonl beside it)")
     print(f"  samples:     {outputs.get('samples')}")
-    for sample in last_samples(outputs.get("samples")):
+    for sample in run_files.last_samples(outputs.get("samples")):
         print(f"    step {sample['step']}: {sample['prompt'][-60:]!r} -> {sample['completion'][:100]!r}")
     print(f"  collectives: ok={collectives['ok']} world_size={collectives['world_size']} "
           f"max_abs_diff={collectives['max_abs_diff']:.2e}")  # fmt: skip
@@ -68,9 +68,7 @@ def main() -> None:
     started = time.monotonic()
     cfg = local_config()
     print(local_cost_line(cfg), flush=True)
-    from tiny_assets import make_all  # (a job module: infra puts jobs/ on the path)
-
-    assets = make_all(Path(cfg.job.model).parent)
+    assets = tiny_assets.make_all(Path(cfg.job.model).parent)
     if (assets["model"], assets["dataset"]) != (cfg.job.model, cfg.job.dataset):
         raise ValueError(f"Pulumi.local.yaml names {cfg.job.model} and {cfg.job.dataset}, but the assets are {assets}")
     logs = ROOT / ".local" / "logs"

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import re
 
-from memory_plan import MemoryPlan, ModelShape, Workload, plan, remedy
+from infra.job_modules import memory_plan as plans
+
+MemoryPlan, ModelShape, Workload = plans.MemoryPlan, plans.ModelShape, plans.Workload
 
 MODELS: dict[str, ModelShape] = {
     m.name: m
@@ -58,14 +60,14 @@ def workload_of(job, tpu_slice) -> Workload:
     return Workload(
         devices=tpu_slice.devices, batch=job.batch_size, seq_len=job.seq_len, dtype_bytes=2,
         activation_checkpointing=job.activation_checkpointing, lora=job.lora, lora_rank=job.lora_rank,
-        loss_chunk=job.recipe_settings.loss_chunk,
+        loss_chunk=job.loss_chunk,
     )  # fmt: skip
 
 
 def memory_plan(job, tpu_slice) -> MemoryPlan | None:
     """The plan per device for a model the table knows; None for another (the job plans it from config.json)."""
     model = known_model(job.model)
-    return None if model is None else plan(model, workload_of(job, tpu_slice), tpu_slice.hbm_gib_per_device)
+    return None if model is None else plans.plan(model, workload_of(job, tpu_slice), tpu_slice.hbm_gib_per_device)
 
 
 def memory_remedy(job, tpu_slice) -> str | None:
@@ -74,7 +76,7 @@ def memory_remedy(job, tpu_slice) -> str | None:
 
     generation = tpu_slice.generation
     devices = {t: TpuSlice(generation, t).devices for t in generation.topologies}
-    return remedy(known_model(job.model), workload_of(job, tpu_slice), tpu_slice.hbm_gib_per_device, devices,
+    return plans.remedy(known_model(job.model), workload_of(job, tpu_slice), tpu_slice.hbm_gib_per_device, devices,
                   job.grad_accum)  # fmt: skip
 
 

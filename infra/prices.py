@@ -11,10 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from data_formats import EVAL_SHARE
-
+from infra.job_modules import data_formats, splits
 from infra.models import known_model
-from infra.splits import absolute_slice
 
 if TYPE_CHECKING:  # the estimate reads the stack's config; the facts it needs are in their own tables
     from infra.config import StackConfig
@@ -57,7 +55,7 @@ def price_of(cfg: StackConfig) -> Price | None:
 
 def training_records(split: str) -> int | None:
     """Records a split names when its bounds are absolute (train[:1024], train[100:1124]); else unknown."""
-    bounds = absolute_slice(split)
+    bounds = splits.absolute_slice(split)
     return int(bounds[2] - bounds[1]) if bounds and bounds[2] != math.inf else None
 
 
@@ -65,7 +63,7 @@ def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
     """(low, high) minutes of training, from the walkthrough's throughput scaled by devices (of every slice:
     data-parallel scaling, which the gradient all-reduce between slices only approaches) and compute per
     token; None when the record count or the model's size is unknown before the run."""
-    records, model = training_records(cfg.job.dataset_split), known_model(cfg.job.model)
+    records, model = training_records(cfg.job.split), known_model(cfg.job.model)
     base = WALKTHROUGH_TOKENS_PER_S.get(cfg.slice.generation.name)
     if (records is None and not cfg.job.max_steps) or model is None or base is None:
         return None
@@ -74,9 +72,9 @@ def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
         tokens_per_s /= 4 / 3  # every layer's forward runs twice
     if cfg.job.lora:
         tokens_per_s *= 6 / 4  # frozen weights take no weight gradient: 4 FLOPs a parameter, not 6
-    recipe = cfg.job.recipe_settings
-    share = (DOLLY_REAL_SHARE, 1.0) if recipe.packing else (1.0, 1.0)  # rows per record: packed or padded
-    eval_share = 1 + (1 / EVAL_SHARE) / 3 if recipe.eval_split != "none" else 1  # the held-out share, forward only
+    share = (DOLLY_REAL_SHARE, 1.0) if cfg.job.packing else (1.0, 1.0)  # rows per record: packed or padded
+    # the held-out share, forward only
+    eval_share = 1 + (1 / data_formats.EVAL_SHARE) / 3 if cfg.job.eval_split != "none" else 1
     if cfg.job.max_steps:  # the steps decide: each one global batch of full rows
         rows = cfg.job.max_steps * cfg.job.batch_size * cfg.devices * cfg.job.grad_accum
         minutes = [rows * cfg.job.seq_len * eval_share / tokens_per_s / 60] * 2
@@ -88,8 +86,8 @@ def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
 def unknown_run(cfg: StackConfig) -> str:
     """Why the run's length is not known at preview."""
     unknown = []
-    if training_records(cfg.job.dataset_split) is None and not cfg.job.max_steps:
-        unknown.append(f"the record count of datasetSplit {cfg.job.dataset_split!r} (absolute bounds, such as "
+    if training_records(cfg.job.split) is None and not cfg.job.max_steps:
+        unknown.append(f"the record count of datasetSplit {cfg.job.split!r} (absolute bounds, such as "
                        "train[:1024], give it; so does maxSteps)")  # fmt: skip
     if known_model(cfg.job.model) is None:
         unknown.append(f"the size of model {cfg.job.model!r} (not a Gemma 4 of infra/models.py)")

@@ -28,8 +28,10 @@ IMAGE_REQUIREMENTS = ROOT / "image" / "requirements.txt"
 COMPILE_CACHE_VAR = "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT"
 
 
-@dataclass(frozen=True)
-class RayClusterArgs:
+@dataclass(frozen=True, kw_only=True)
+class RayClusterSpec:
+    """What the RayCluster's manifest is made of."""
+
     name: str  # a DNS-1035 label: the TPU webhook builds the worker hostnames from it
     namespace: str
     tpu: TpuSlice
@@ -93,13 +95,13 @@ def worker_replicas(capacity: SliceCapacity, num_slices: int = 1) -> dict:
     return {"minReplicas": 0, "maxReplicas": num_slices}
 
 
-def torch_tpu_env(cluster: RayClusterArgs) -> list[dict]:
+def torch_tpu_env(cluster: RayClusterSpec) -> list[dict]:
     """TorchTPU's switches on the TPU workers (never on the head, nor on the CPU path, which has no RayCluster)."""
     env = [{"name": "TORCH_TPU_DEFER_AND_FUSE", "value": "1"}] if cluster.defer_and_fuse else []
     return env + ([{"name": COMPILE_CACHE_VAR, "value": cluster.compile_cache}] if cluster.compile_cache else [])
 
 
-def termination(cluster: RayClusterArgs) -> tuple[dict, dict]:
+def termination(cluster: RayClusterSpec) -> tuple[dict, dict]:
     """A TPU worker's (container fields, pod fields) for its end, sized to what its capacity grants
     (infra/capacity.py): the preStop hook drains the pod's Ray node (infra/stop_hook.py) and `ray start`,
     which gets SIGTERM after it, finds the node drained and waits at most RAY_SHUTDOWN_DRAIN_S more."""
@@ -111,7 +113,7 @@ def termination(cluster: RayClusterArgs) -> tuple[dict, dict]:
     return container, {"terminationGracePeriodSeconds": grace.seconds}
 
 
-def ray_cluster_manifest(cluster: RayClusterArgs, image: str) -> dict:
+def ray_cluster_manifest(cluster: RayClusterSpec, image: str) -> dict:
     """The RayCluster as a plain dict: one CPU head, one worker group of a replica per slice."""
     tpu = cluster.tpu
     env = [_token_env(), *tpu.ray_env]
@@ -182,23 +184,25 @@ def identity_objects(namespace: str, service_account: str) -> list[dict]:
     return objects
 
 
-class RayCluster(pulumi.ComponentResource):
-    """Secret, CRD wait and RayCluster; done only when the head pod is ready."""
+@dataclass(frozen=True, kw_only=True)
+class RayClusterArgs:
+    spec: RayClusterSpec
+    image: pulumi.Input[str]  # by digest
+    hf_token: pulumi.Input[str]  # secret
+    endpoint: pulumi.Input[str]  # the cluster's API server, for the CRD wait
+    ca_certificate: pulumi.Input[str]
 
-    def __init__(
-        self,
-        cluster: RayClusterArgs,
-        image: pulumi.Input[str],
-        hf_token: pulumi.Input[str],
-        provider: k8s.Provider,
-        endpoint: pulumi.Input[str],
-        ca_certificate: pulumi.Input[str],
-        depends_on: list[pulumi.Resource] = (),
-        opts: pulumi.ResourceOptions | None = None,
-    ):
-        name = cluster.name
+
+class RayCluster(pulumi.ComponentResource):
+    """The pods' namespace and ServiceAccount (when not default), the token Secret, the CRD wait and the
+    RayCluster; done only when the head pod is ready. The Kubernetes provider comes in `opts.providers`; what
+    the RayCluster must wait for (the node pools, the bucket's grant), in `opts.depends_on`."""
+
+    def __init__(self, name: str, args: RayClusterArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{PROJECT}:infra:RayCluster", name, None, opts)
-        k8s_opts = pulumi.ResourceOptions(parent=self, provider=provider)
+        cluster, hf_token = args.spec, args.hf_token
+        depends_on = list((opts.depends_on if opts else None) or [])
+        k8s_opts = pulumi.ResourceOptions(parent=self)
         self.identity: list[pulumi.Resource] = []
         for obj in identity_objects(cluster.namespace, cluster.service_account):
             kind = {"Namespace": k8s.core.v1.Namespace, "ServiceAccount": k8s.core.v1.ServiceAccount}[obj["kind"]]
@@ -214,12 +218,12 @@ class RayCluster(pulumi.ComponentResource):
         )
         self.crd = CrdEstablished(
             f"{name}-crd",
-            endpoint=endpoint,
-            ca_certificate=ca_certificate,
+            endpoint=args.endpoint,
+            ca_certificate=args.ca_certificate,
             crd=RAYCLUSTER_CRD,
             opts=pulumi.ResourceOptions(parent=self),
         )
-        spec = pulumi.Output.from_input(image).apply(lambda ref: ray_cluster_manifest(cluster, ref)["spec"])
+        spec = pulumi.Output.from_input(args.image).apply(lambda ref: ray_cluster_manifest(cluster, ref)["spec"])
         self.ray_cluster = k8s.apiextensions.CustomResource(
             name,
             api_version=API_VERSION,

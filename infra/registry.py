@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pulumi
@@ -21,20 +22,20 @@ def image_ref(region: str, project: str, repository: str, image_name: str, tag: 
     return f"{registry_host(region)}/{project}/{repository}/{image_name}:{tag}"
 
 
+@dataclass(frozen=True, kw_only=True)
+class ImageRegistryArgs:
+    project: str
+    region: str
+    repository: str
+    image_name: str
+
+
 class ImageRegistry(pulumi.ComponentResource):
     """`image` is the pushed image by digest (repo@sha256:...), so a rebuild rolls the pods."""
 
-    def __init__(
-        self,
-        name: str,
-        *,
-        project: str,
-        region: str,
-        repository: str,
-        image_name: str,
-        opts: pulumi.ResourceOptions | None = None,
-    ):
+    def __init__(self, name: str, args: ImageRegistryArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{PROJECT}:infra:ImageRegistry", name, None, opts)
+        project, region, repository, image_name = args.project, args.region, args.repository, args.image_name
         child = pulumi.ResourceOptions(parent=self)
         self.repository = gcp.artifactregistry.Repository(
             name,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pulumi
 import pulumi_gcp as gcp
 
@@ -18,31 +20,31 @@ def workload_identity_principal(project_number: str, project: str, namespace: st
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class CheckpointBucketArgs:
+    bucket_name: str
+    project: str
+    region: str
+    force_destroy: bool
+    namespace: str  # with service_account: the Kubernetes ServiceAccount the Ray pods run as
+    service_account: str
+
+
 class CheckpointBucket(pulumi.ComponentResource):
     """`bucket_name` in `project`'s `region`, and objectAdmin on it for the Ray pods' Kubernetes
     ServiceAccount (`namespace`/`service_account`)."""
 
-    def __init__(
-        self,
-        name: str,
-        *,
-        bucket_name: str,
-        project: str,
-        region: str,
-        force_destroy: bool,
-        namespace: str,
-        service_account: str,
-        opts: pulumi.ResourceOptions | None = None,
-    ):
+    def __init__(self, name: str, args: CheckpointBucketArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{PROJECT}:infra:CheckpointBucket", name, None, opts)
+        project, namespace, service_account = args.project, args.namespace, args.service_account
         child = pulumi.ResourceOptions(parent=self)
         self.bucket = gcp.storage.Bucket(
             name,
-            name=bucket_name,
+            name=args.bucket_name,
             project=project,
-            location=region.upper(),
+            location=args.region.upper(),
             uniform_bucket_level_access=True,
-            force_destroy=force_destroy,
+            force_destroy=args.force_destroy,
             opts=child,
         )
         number = gcp.organizations.get_project_output(project_id=project).number

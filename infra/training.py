@@ -16,12 +16,10 @@ import pulumi
 import pulumi.dynamic as dynamic
 
 from infra.config import StackConfig
-from infra.dataset import dataset_ref
 from infra.raycluster import DASHBOARD_PORT, head_service
 from infra.runner import ray_jobs
 from infra.runner.resilience import RetryPolicy
 
-CHECKPOINT_PREFIX = "ray_train_torchtpu"
 OUTPUT_KEYS = (
     "checkpoint", "checkpoints", "metrics", "history", "loss_curve", "samples", "data_report", "collectives", "job_ids",
     "slice_hours", "run_hours",
@@ -34,42 +32,10 @@ RETRY_BUDGET_S = RetryPolicy.budget_s
 
 
 def training_settings(cfg: StackConfig) -> dict:
-    """What the jobs are asked to do, from the stack's config."""
-    job = cfg.job
-    settings = {
-        "model": job.model,
-        "dataset": dataset_ref(job.dataset, job.dataset_file, None if cfg.local else cfg.bucket_name),
-        "dataset_config": job.dataset_config,
-        "dataset_columns": job.dataset_columns,
-        "overlong": job.overlong,
-        "dataset_split": job.dataset_split,
-        "epochs": job.epochs,
-        "max_steps": job.max_steps,
-        "batch_size": job.batch_size,
-        "seq_len": job.seq_len,
-        "learning_rate": job.learning_rate,
-        "recipe": job.recipe,
-        "grad_accum": job.grad_accum,
-        "activation_checkpointing": job.activation_checkpointing,
-        "lora": job.lora,
-        "lora_rank": job.lora_rank,
-        "lora_alpha": job.lora_alpha,
-        "num_slices": cfg.num_slices,
-        **asdict(job.recipe_settings),
-    }
-    if cfg.local:
-        return settings | {
-            "backend": "cpu",
-            "collectives_workers": job.collectives_workers,
-            "finetune_workers": job.finetune_workers,
-            "storage_path": job.local_storage_path,
-        }
-    return settings | {
-        "backend": "tpu",
-        "topology": cfg.slice.topology,
-        "accelerator_type": cfg.slice.generation.ray_accelerator_type,
-        "storage_path": f"gs://{cfg.bucket_name}/{CHECKPOINT_PREFIX}",
-    }
+    """What the fine-tune is asked to do (its settings, as the job declares them: jobs/settings.py), without
+    max_failures, which does not define the run (changing it re-runs nothing and reaches the next submission),
+    nor the unset ones (None: Pulumi keeps no input of it)."""
+    return {k: v for k, v in asdict(cfg.job).items() if k != "max_failures" and v is not None}
 
 
 def gke_target(
@@ -114,8 +80,9 @@ def training_props(cfg: StackConfig, target: dict, cluster: pulumi.Input[str], i
         "image": image,
         "code": ray_jobs.jobs_code_hash(),
         "settings": training_settings(cfg),
+        "collectives_workers": cfg.collectives_workers if cfg.local else None,
         "target": target,
-        "timeout_s": cfg.job.timeout_minutes * 60,
+        "timeout_s": cfg.job_timeout_minutes * 60,
         "max_failures": cfg.job.max_failures,
         "poll_s": 2 if cfg.local else 15,
         "retry_budget_s": RETRY_BUDGET_S,

@@ -1,43 +1,18 @@
-"""The one place the jobs learn which device and process-group backend they run on.
+"""The one place the jobs learn which device and process-group backend they run on, and how a driver joins
+its Ray cluster.
 
-`tpu` imports torch_tpu (only then) and uses `tpu_dist`; `cpu` uses `gloo`; `cuda` uses `nccl`.
-Also the jobs' shared facts: TPU accelerator types, the input-error type and the result line.
+`tpu` imports torch_tpu (only then) and uses `tpu_dist`; `cpu` uses `gloo`; `cuda` uses `nccl`. Torch is
+imported where it is used: the stack reads BACKENDS and DTYPES (jobs/settings.py).
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import socket
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
-# The jobs travel alone (only jobs/ is uploaded), so these few facts are restated here;
-# tests/test_config.py checks them against infra/tpu.py and infra/runner/ray_jobs.py.
-RESULT_PREFIX = "JOB_RESULT_JSON: "
-CHIPS_PER_HOST = 4
-
-
-class TpuType(NamedTuple):
-    version: str  # Ray's accelerator version
-    devices_per_chip: int  # logical devices (chiplets)
-    peak_bf16_flops_per_chip: float
-
-    @property
-    def peak_flops_per_device(self) -> float:
-        return self.peak_bf16_flops_per_chip / self.devices_per_chip
-
-
-# Ray accelerator type -> its facts
-ACCELERATOR_TYPES = {"TPU-V6E": TpuType("v6e", 1, 918e12), "TPU-V7X": TpuType("v7x", 2, 2307e12)}
 DTYPES = ("bfloat16", "float32")
-
-
-class JobInputError(ValueError):
-    """A bad flag or input, reported before any worker starts."""
 
 
 @dataclass(frozen=True)
@@ -120,50 +95,8 @@ BACKENDS = {
 
 
 def get_backend(name: str) -> Backend:
-    if name not in BACKENDS:
-        raise JobInputError(f"--backend {name!r} is not supported; choose one of: {', '.join(BACKENDS)}")
+    """The backend of a checked --backend (jobs/settings.py refuses any other name)."""
     return BACKENDS[name]
-
-
-def tpu_devices(topology: str, accelerator_type: str) -> int:
-    """Logical TPU devices (= workers) in a slice of this topology."""
-    if accelerator_type not in ACCELERATOR_TYPES:
-        raise JobInputError(
-            f"--accelerator-type {accelerator_type!r} is not supported; choose one of: {', '.join(ACCELERATOR_TYPES)}"
-        )
-    try:
-        chips = math.prod(int(d) for d in topology.split("x"))
-    except ValueError:
-        raise JobInputError(f"--topology {topology!r} is not a topology such as 4x4 or 2x2x2") from None
-    return chips * ACCELERATOR_TYPES[accelerator_type].devices_per_chip
-
-
-def resolve_num_workers(backend: str, topology: str, accelerator_type: str, num_workers: int | None,
-                        num_slices: int = 1) -> int:  # fmt: skip
-    """On TPU the slices decide (and a given --num-workers must agree); elsewhere --num-workers does, and
-    --num-slices must divide it: every slice holds as many workers as the others."""
-    if num_slices < 1:
-        raise JobInputError(f"--num-slices must be a positive integer (got {num_slices})")
-    if backend == "tpu":
-        per_slice = tpu_devices(topology, accelerator_type)
-        devices = per_slice * num_slices
-        if num_workers is not None and num_workers != devices:
-            slice_ = f"--topology {topology} on {accelerator_type}"
-            what = (f"{slice_}, which has {devices} devices" if num_slices == 1 else
-                    f"--num-slices {num_slices} x {slice_} ({per_slice} devices a slice, {devices} in all)")  # fmt: skip
-            raise JobInputError(
-                f"--num-workers {num_workers} does not match {what}; drop --num-workers or pass {devices}"
-            )
-        return devices
-    if num_workers is None or num_workers < 1:
-        raise JobInputError(f"--num-workers must be a positive number off TPU (got {num_workers})")
-    if num_workers % num_slices:
-        divisors = [n for n in range(1, num_workers + 1) if num_workers % n == 0]
-        raise JobInputError(
-            f"--num-slices {num_slices} does not divide --num-workers {num_workers}: every slice holds as many "
-            f"workers as the others; pass --num-slices one of {', '.join(map(str, divisors))}"
-        )
-    return num_workers
 
 
 def live_cluster_address(timeout_s: float = 3.0) -> str | None:
@@ -214,19 +147,3 @@ def worker_print(message: str) -> None:
     """Print once from a Ray Train worker. Train patches `print` to log the line and also to
     echo it when sys.stdout is wrapped, as it is in a Ray worker: every plain print showed twice."""
     print(message, file=sys.__stdout__ or sys.stdout, flush=True)
-
-
-def print_result(result: dict) -> None:
-    """The last line a job prints: what the job resource parses."""
-    print(RESULT_PREFIX + json.dumps(result, sort_keys=True), flush=True)
-
-
-def exit_code(run: Callable[[], dict], succeeded: Callable[[dict], bool] = lambda _: True) -> int:
-    """A job's exit status: 2 for bad input (message, no traceback), 1 when its checks fail."""
-    try:
-        result = run()
-    except JobInputError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
-    print_result(result)
-    return 0 if succeeded(result) else 1

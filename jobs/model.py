@@ -105,7 +105,7 @@ def apply_fsdp(root: TokenLoss, mesh, ignored: set, dtype: str = "bfloat16") -> 
     Each whole decoder layer is a unit (torchtitan's layout): only two are unsharded at a time. (The
     walkthrough shards only the MLPs, which leaves every attention projection in the root, gathered
     for the whole step: 15 GB of a 32 GB v6e chip for 31B.) Gradients are summed over ranks, not
-    averaged: the loss is already divided by the global count of predicted tokens (loop.train_step),
+    averaged: the loss is already divided by the global count of predicted tokens (step.train_step),
     so an average would divide a second time. Under HSDP that holds for both reductions (the reduce-scatter
     within a slice, the all-reduce across slices): one global batch is one sum.
     """

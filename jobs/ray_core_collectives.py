@@ -25,16 +25,11 @@ import socket
 import sys
 
 import ray
-from backend import (
-    ACCELERATOR_TYPES,
-    BACKENDS,
-    CHIPS_PER_HOST,
-    JobInputError,
-    connect_ray,
-    exit_code,
-    get_backend,
-    resolve_num_workers,
-)
+from backend import connect_ray, get_backend
+from command_line import add_flags
+from outcome import JobInputError, exit_code
+from settings import PLACEMENT, placement, worker_count
+from tpu_generations import by_accelerator_type
 
 TPU_MASTER_PORT = 29500
 MEGASCALE_PORT = 8081  # Ray's DEFAULT_MEGASCALE_PORT (ray/_private/accelerators/tpu.py)
@@ -43,11 +38,7 @@ RTOL, ATOL = 1e-3, 1e-2
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--topology", default="4x4", help="TPU slice topology, e.g. 4x4 or 2x2x2")
-    p.add_argument("--accelerator-type", default="TPU-V6E", help=f"one of {', '.join(ACCELERATOR_TYPES)}")
-    p.add_argument("--backend", default="tpu", help=f"one of {', '.join(BACKENDS)}")
-    p.add_argument("--num-workers", type=int, default=None, help="off TPU: how many workers (one per device on TPU)")
-    p.add_argument("--num-slices", type=int, default=1, help="TPU slices of --topology (off TPU: groups of workers)")
+    add_flags(p, PLACEMENT)  # the fine-tune's, declared in jobs/settings.py
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--expansion", type=int, default=4)
     p.add_argument("--batch", type=int, default=64)
@@ -180,8 +171,8 @@ def reserve(args, world: int):
     if args.backend == "tpu":
         from ray.util.tpu import slice_placement_group
 
-        tpu = ACCELERATOR_TYPES[args.accelerator_type]
-        slice_pg = slice_placement_group(args.topology, tpu.version, resources_per_bundle={"TPU": 1},
+        tpu = by_accelerator_type(args.accelerator_type)
+        slice_pg = slice_placement_group(args.topology, tpu.ray_version, resources_per_bundle={"TPU": 1},
                                          num_slices=args.num_slices, tpu_resource_per_chip=tpu.devices_per_chip)  # fmt: skip
         return slice_pg, slice_pg.placement_group
     pg = placement_group([{"CPU": 1}] * world, strategy="PACK")
@@ -191,18 +182,14 @@ def reserve(args, world: int):
 def run_check(args: argparse.Namespace) -> dict:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    get_backend(args.backend)
-    world = resolve_num_workers(args.backend, args.topology, args.accelerator_type, args.num_workers, args.num_slices)
+    world = worker_count(placement(args))
     slice_devices = world // args.num_slices
     if (args.hidden * args.expansion) % slice_devices:
         raise JobInputError(
             f"the tensor-parallel width {args.hidden}x{args.expansion} must divide by the {slice_devices} workers a slice"
         )
-    devices_per_host = (
-        CHIPS_PER_HOST * ACCELERATOR_TYPES[args.accelerator_type].devices_per_chip
-        if args.backend == "tpu"
-        else slice_devices
-    )
+    tpu = by_accelerator_type(args.accelerator_type)
+    devices_per_host = tpu.chips_per_host * tpu.devices_per_chip if args.backend == "tpu" else slice_devices
     connect_ray(world)
     handle, pg = reserve(args, world)
     try:

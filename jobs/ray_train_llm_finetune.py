@@ -39,7 +39,7 @@ before it scales the slice up). The run's directory gets data_report.json.
 
 Re-running with the same --run-name and --storage-path resumes exactly where the latest
 checkpoint left off, mid-epoch too: weights, AdamW moments, RNG, the data's order and position, the
-schedule's step (run_loop.py). Inside one job, Ray Train restarts a failed worker group from that
+schedule's step (training_run.py). Inside one job, Ray Train restarts a failed worker group from that
 checkpoint up to --max-failures times; a worker sent SIGTERM first finishes its step and saves it
 (stopping.py), so its restart redoes nothing. After the last step the run gets one from_pretrained
 directory, <run>/model (checkpoints.py shows the layout), with the tokenizer and its chat template.
@@ -57,7 +57,7 @@ import time
 from typing import TYPE_CHECKING
 
 import stopping
-from backend import ACCELERATOR_TYPES, connect_ray, exit_code, get_backend, worker_print
+from backend import connect_ray, get_backend, worker_print
 from checkpoints import (
     EXPORT_DIR,
     ShardedCheckpointer,
@@ -68,11 +68,13 @@ from checkpoints import (
     uri,
     write_state,
 )
-from flags import DEFAULT_RUN_PREFIX, FinetuneSettings, check_inputs, parse_args, resolve
-from loop import Progress, TrainingData, log_every
+from command_line import for_this_machine, from_args, parse_args
 from lora import trainable_and_total
 from memory_plan import Workload, plan
-from prepared import data_report, prepare, print_data_report
+from outcome import exit_code
+from prepare import prepare
+from prepared import data_report, print_data_report
+from recipe import Schedule
 from render import load_tokenizer
 from run_files import (
     LOSS_PLOT,
@@ -86,8 +88,11 @@ from run_files import (
     write_data_report,
     write_run_report,
 )
-from run_loop import Hooks, TrainingRun, resumed_state
+from settings import DEFAULT_RUN_PREFIX, FinetuneSettings, check, worker_count
+from step import TrainingData
 from storage import probe, ray_storage
+from tpu_generations import by_accelerator_type
+from training_run import Hooks, Progress, RunState, TrainingRun, log_every, resumed_state
 from utilisation import describe, mfu, model_flops_per_token
 
 if TYPE_CHECKING:  # the model (and torch) are imported where they run: the preflight needs neither
@@ -96,7 +101,7 @@ if TYPE_CHECKING:  # the model (and torch) are imported where they run: the pref
 REPORT_POLL_S = 0.5  # (the driver's settings reach the controller: Ray Train propagates them,
 PREEMPTION_POLL_S = 1.0  # ray/train/v2/_internal/constants.py, ENV_VARS_TO_PROPAGATE)
 
-__all__ = ["main", "parse_args", "resolve", "run", "train_loop_per_worker"]
+__all__ = ["main", "run", "train_loop_per_worker"]
 
 
 # ---- the per-worker loop ----------------------------------------------------------------------
@@ -122,14 +127,15 @@ def train_loop_per_worker(config: dict) -> None:
     checkpointer = ShardedCheckpointer(trainee.model, optimizer, rank, settings.async_checkpoint)
     state = resume(restored, checkpointer, settings.storage_path, rank, world)
     data = TrainingData(settings, trainee.tokenizer, rank, world, config["data"])
-    progress = Progress(settings.log_every or log_every(data.steps), data.schedule(settings).total_steps, rank,
-                        device, tensorboard(ctx, rank), data.steps)  # fmt: skip
+    schedule = Schedule.planned(settings, data.steps)
+    progress = Progress(settings.log_every or log_every(data.steps), schedule.total_steps, rank, tensorboard(ctx, rank),
+                        data.steps)  # fmt: skip
     sizes = model_sizes(trainee, settings, world, dtype)
 
     def epoch_metrics_of(epoch: int, trained: dict, held_out: dict, elapsed: float) -> dict:
         metrics = epoch_metrics(settings, epoch, trained, held_out, elapsed, world) | sizes
         return metrics | utilisation(trainee, settings, trained["real_tokens"] / elapsed / world) | {
-            "peak_memory_gib": backend.peak_memory_gib(), "dtype": dtype, "attempt": state["attempt"]}  # fmt: skip
+            "peak_memory_gib": backend.peak_memory_gib(), "dtype": dtype, "attempt": state.attempt}  # fmt: skip
 
     def save(name: str, metrics: dict, at: dict, wait: bool) -> None:
         if settings.sharded_checkpoints:
@@ -141,10 +147,10 @@ def train_loop_per_worker(config: dict) -> None:
                 worker_print(json.dumps({"rank": 0, **metrics}))
             backend.reset_peak_memory()
 
-    hooks = Hooks(save, epoch_metrics_of, progress, sample_log(ctx, rank, state["step"]))
+    hooks = Hooks(save, epoch_metrics_of, progress, sample_log(ctx, rank, state.step))
     backend.reset_peak_memory()
     try:
-        TrainingRun(trainee, optimizer, data, settings, device, rank, world, hooks).run(state)
+        TrainingRun(trainee, optimizer, data, schedule, settings, device, rank, world, hooks).run(state)
     finally:
         stopping.stop_listening()  # Ray ends its workers with SIGTERM too (2.60)
     checkpointer.close()
@@ -160,7 +166,8 @@ def peak_flops_per_device(settings: FinetuneSettings) -> float | None:
     if settings.peak_tflops:
         return settings.peak_tflops * 1e12
     if settings.backend == "tpu":
-        return ACCELERATOR_TYPES[settings.accelerator_type].peak_flops_per_device
+        generation = by_accelerator_type(settings.accelerator_type)
+        return generation.peak_bf16_tflops_per_chip * 1e12 / generation.devices_per_chip
     return None
 
 
@@ -208,16 +215,16 @@ def epoch_metrics(settings: FinetuneSettings, epoch: int, trained: dict, held_ou
 # ---- resume and save --------------------------------------------------------------------------
 
 
-def resume(restored, checkpointer: ShardedCheckpointer, storage_path: str, rank: int, world: int) -> dict:
-    """The training state to go on from (run_loop.resumed_state): a fresh one, or the restored
+def resume(restored, checkpointer: ShardedCheckpointer, storage_path: str, rank: int, world: int) -> RunState:
+    """The training state to go on from (training_run.resumed_state): a fresh one, or the restored
     checkpoint's, with its shards (model, optimizer, RNG) loaded into place."""
     saved = read_state(restored) if restored else {}
     state = resumed_state(saved, world)
     if restored:
         if is_sharded(restored):
             checkpointer.load(uri(storage_path, restored.path), same_world=saved.get("world_size") == world)
-        worker_print(f"[rank {rank}] resuming from {restored.path} after step {state['step']}, epoch "
-                     f"{state['epoch']} done (attempt {state['attempt']})")  # fmt: skip
+        worker_print(f"[rank {rank}] resuming from {restored.path} after step {state.step}, epoch "
+                     f"{state.epoch} done (attempt {state.attempt})")  # fmt: skip
     return state
 
 
@@ -331,14 +338,15 @@ def trainer(settings: FinetuneSettings, workers: int, run_name: str, data: str, 
 
 
 def run(settings: FinetuneSettings) -> dict:
-    settings, workers = check_inputs(settings)
+    settings = for_this_machine(check(settings))
     probe(settings.storage_path)  # the pods' identity can write there, before anything else is done
     # a job on a cluster prepares the data on its CPUs (Ray Data); otherwise in this process
     on_cluster = bool(os.environ.get("RAY_ADDRESS"))
+    count = worker_count(settings)
     prepared = prepare(
-        settings, load_tokenizer(settings.tokenizer_ref), lambda: connect_ray(workers) if on_cluster else None
+        settings, load_tokenizer(settings.tokenizer_ref), lambda: connect_ray(count) if on_cluster else None
     )
-    report = data_report(settings, prepared, workers)
+    report = data_report(settings, prepared, count)
     print_data_report(report)
     run_name = settings.run_name or f"{DEFAULT_RUN_PREFIX}{int(time.time())}"
     report_file = write_data_report(settings.storage_path, run_name, report)
@@ -346,9 +354,9 @@ def run(settings: FinetuneSettings) -> dict:
         return {"run_name": run_name, "data_report": report, "data_report_file": report_file}
     import ray
 
-    connect_ray(workers)
+    connect_ray(count)
     held_out = bool((report.get("eval") or {}).get("records_used"))
-    result = trainer(settings, workers, run_name, prepared.uri, held_out).fit()
+    result = trainer(settings, count, run_name, prepared.uri, held_out).fit()
     ray.shutdown()  # prints the workers' last log lines now (Ray holds repeated ones back), not after the result
     return outputs(settings, run_name, result, report)
 
@@ -384,7 +392,7 @@ def outputs(settings: FinetuneSettings, run_name: str, result, report: dict) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return exit_code(lambda: run(resolve(args)))
+    return exit_code(lambda: run(from_args(args)))
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from backend import JobInputError
 from data_formats import COLUMNS, FORMATS
+from outcome import JobInputError
 from recipe import IGNORE
 
 ROLES = {"system": "system", "user": "user", "assistant": "assistant", "model": "assistant"}

@@ -28,9 +28,10 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from backend import JobInputError
 from data_formats import EVAL_SHARE, LOCAL_DATA
+from outcome import JobInputError
 from recipe import IGNORE, predicted_tokens
+from splits import overlap
 from storage import fsspec_options, gcs
 
 
@@ -188,18 +189,18 @@ def default_eval(train: list[tuple[str, int, int]], sizes: dict[str, int]) -> li
 
 
 def check_disjoint(train: list, held_out: list) -> None:
+    """The resolved ranges: a held-out split holds records and shares none with the training split (the same
+    rule settings.problems applies to the bounds the text gives, at preview)."""
     for name, a, b in held_out:
         if b <= a:
             raise JobInputError(f"the eval split holds no records ({name}[{a}:{b}])")
-        for other, c, d in train:
-            if other == name and a < d and c < b:
-                raise JobInputError(
-                    f"the eval split {name}[{a}:{b}] overlaps the training split {name}[{c}:{d}]: "
-                    "held-out records must not be trained on"
-                )
+    if shared := overlap(held_out, train):
+        (name, a, b), (_, c, d) = shared
+        raise JobInputError(f"the eval split {name}[{a}:{b}] overlaps the training split {name}[{c}:{d}]: "
+                            "held-out records must not be trained on")  # fmt: skip
 
 
-def splits(settings) -> tuple[list, list, dict[str, Source]]:
+def load_splits(settings) -> tuple[list, list, dict[str, Source]]:
     """(train ranges, eval ranges or [], the loaded splits by name) from --split and --eval-split."""
     eval_spec = settings.eval_split
     specs = [spec for spec in (settings.split, eval_spec) if spec not in ("auto", "none")]

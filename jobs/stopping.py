@@ -1,6 +1,6 @@
 """A save before a worker goes: a preemption Ray saw coming, or SIGTERM, becomes a stop after the current step.
 
-Two ways a stop is asked for, both carried by the step's count all-reduce (loop.train_step: one more
+Two ways a stop is asked for, both carried by the step's count all-reduce (step.train_step: one more
 element each), so every rank learns of it in the same step with no extra synchronisation:
 
 - **A preemption notice** (the GKE path). The TPU pods' preStop hook drains its Ray node (infra/stop_hook.py);

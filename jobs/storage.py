@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from backend import JobInputError
+from outcome import JobInputError
 
 os.environ.setdefault("USE_EXPERIMENTAL_ADAPTIVE_PREFETCHING", "false")
 GCS_TOKEN = "google_default"

@@ -2,14 +2,13 @@ import atexit
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "jobs")]
+import infra.job_modules  # noqa: E402, F401  (the one door to jobs/: the tests import job modules by their names)
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Workers share the cores: one compute thread each (as Ray's workers), or their OpenMP pools
     # oversubscribe the machine and every in-process training step runs several times slower.

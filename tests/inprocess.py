@@ -25,13 +25,13 @@ def tiny_of_size(size: str, assets: dict, out: Path) -> dict:
 
 
 def settings(assets: dict, *flags: str):
-    """The job's resolved settings (a flags.FinetuneSettings) for `flags`, after the tiny model, its data
-    and the CPU backend."""
-    from flags import parse_args, resolve
+    """The job's settings (a settings.FinetuneSettings) for `flags`, after the tiny model, its data and the CPU
+    backend."""
+    from command_line import from_args, parse_args
 
     base = ["--backend", "cpu", "--num-workers", "1", "--model", assets["model"], "--dataset", assets["dataset"],
             "--seq-len", "128", "--lr", "1e-3", "--split", "train[:80]"]  # fmt: skip
-    return resolve(parse_args([*base, *flags]))
+    return from_args(parse_args([*base, *flags]))
 
 
 def build(settings, world: int = 1, restored=None):
@@ -44,13 +44,13 @@ def build(settings, world: int = 1, restored=None):
 
 
 class DirectorySaver:
-    """run_loop's `save` hook for a test: every rank's shards and rank 0's train_state.json under
+    """TrainingRun's `save` hook for a test: every rank's shards and rank 0's train_state.json under
     `root`/<checkpoint name>, synchronously (a Ray Train run reports them instead)."""
 
     def __init__(self, checkpointer, root: str, rank: int):
         self.checkpointer, self.root, self.rank, self.saved = checkpointer, root, rank, []
 
-    def __call__(self, name: str, metrics: dict, state: dict, wait: bool) -> None:
+    def __call__(self, name: str, metrics: dict, state: dict, wait: bool) -> None:  # state: RunState.to_json()
         import json
 
         self.checkpointer.save(f"{self.root}/{name}").result()
@@ -59,19 +59,20 @@ class DirectorySaver:
         self.saved.append(name)
 
 
-def run(settings, rank: int = 0, world: int = 1, epochs: int | None = None, progress=None, root: str | None = None,
+def run(settings, rank: int = 0, world: int = 1, epochs: int | None = None, on_step=None, root: str | None = None,
         resume_from: str | None = None):  # fmt: skip
-    """The per-worker loop as train_loop_per_worker runs it (build, TrainingData, run_loop.TrainingRun),
+    """The per-worker loop as train_loop_per_worker runs it (build, TrainingData, training_run.TrainingRun),
     without Ray: checkpoints under `root` (if given), resumed from `resume_from` (a checkpoint directory
-    under it); `epochs` stops after that many epochs of the planned run. Returns (trainee, final state).
-    Needs an initialised process group."""
+    under it); `epochs` stops after that many epochs of the planned run; `on_step(step, result)` sees each
+    step. Returns (trainee, final RunState). Needs an initialised process group."""
     import json
 
     import stopping
     import torch
     from checkpoints import ShardedCheckpointer
-    from loop import Progress, TrainingData
-    from run_loop import Hooks, TrainingRun, resumed_state
+    from recipe import Schedule
+    from step import TrainingData
+    from training_run import Hooks, Progress, TrainingRun, resumed_state
 
     torch.manual_seed(settings.seed)
     if settings.sharded_checkpoints:
@@ -83,22 +84,22 @@ def run(settings, rank: int = 0, world: int = 1, epochs: int | None = None, prog
         checkpointer.load(resume_from, same_world=saved["world_size"] == world)
     state = resumed_state(saved, world)
     data = TrainingData(settings, trainee.tokenizer, rank, world)
-    progress = progress or Progress(10**9, data.schedule(settings).total_steps, rank)
+    schedule = Schedule.planned(settings, data.steps)
     save = DirectorySaver(checkpointer, root, rank) if root else (lambda *_: None)
-    hooks = Hooks(save, lambda _epoch, trained, held_out, _elapsed: trained | held_out, progress)
+    hooks = Hooks(save, lambda _epoch, trained, held_out, _elapsed: trained | held_out,
+                  Progress(10**9, schedule.total_steps, rank), on_step=on_step)  # fmt: skip
     try:
-        state = TrainingRun(trainee, optimizer, data, settings, torch.device("cpu"), rank, world, hooks).run(
-            state, epochs
-        )
+        run_ = TrainingRun(trainee, optimizer, data, schedule, settings, torch.device("cpu"), rank, world, hooks)
+        state = run_.run(state, epochs)
     finally:
         stopping.stop_listening()
     return trainee, state
 
 
-def train(settings, rank: int = 0, world: int = 1, epochs: int | None = None, progress=None):
+def train(settings, rank: int = 0, world: int = 1, epochs: int | None = None, on_step=None):
     """`run` without checkpoints: (trainee, history), each epoch's training and eval results."""
-    trainee, state = run(settings, rank, world, epochs, progress)
-    return trainee, state["history"]
+    trainee, state = run(settings, rank, world, epochs, on_step)
+    return trainee, list(state.history)
 
 
 def full_state(model) -> dict:
@@ -116,14 +117,16 @@ def _join(rank: int, world: int, rendezvous: str) -> None:
     import torch.distributed as dist
 
     root = Path(__file__).resolve().parent.parent
-    sys.path[:0] = [str(root), str(root / "jobs")]
+    sys.path.insert(0, str(root))  # (the fork server's children start in the test's directory)
+    import infra.job_modules  # noqa: F401  (the one door to jobs/)
+
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if world > 1:
         torch.set_num_threads(1)  # as Ray starts its workers (OMP_NUM_THREADS=1): ranks share the cores
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
 
 
-FORKSERVER_PRELOAD = ["tests.inprocess", "torch", "torch.distributed.fsdp", "transformers", "model", "run_loop"]
+FORKSERVER_PRELOAD = ["tests.inprocess", "torch", "torch.distributed.fsdp", "transformers", "model", "training_run"]
 
 
 def _spawn(target, world: int, *args) -> object:
@@ -165,23 +168,18 @@ def train_ranks(config, world: int, epochs: int = 1) -> dict:
     return _spawn(_rank_main, world, config, epochs)
 
 
-def recording_progress(total_steps: int, rank: int):
-    """A Progress that records every step's global loss (one more all-reduce a step) and gradient norm."""
-    from loop import Progress, global_sum
+class StepRecorder:
+    """An on_step hook that records every step's global loss (one more all-reduce a step) and gradient norm."""
 
-    class Recording(Progress):
-        losses: list
-        grad_norms: list
+    def __init__(self):
+        self.losses, self.grad_norms = [], []
 
-        def step(self, step: int, result: dict) -> None:
-            (loss_sum,) = global_sum(float(result["loss_sum"]))  # (the count is global already)
-            self.losses.append(loss_sum / float(result["predicted"]))
-            self.grad_norms.append(float(result["grad_norm"]))
-            super().step(step, result)
+    def __call__(self, step: int, result) -> None:
+        from step import global_sum
 
-    progress = Recording(10**9, total_steps, rank)
-    progress.losses, progress.grad_norms = [], []
-    return progress
+        (loss_sum,) = global_sum(float(result.loss_sum))
+        self.losses.append(loss_sum / float(result.counts[0]))  # (the step's count is global already)
+        self.grad_norms.append(float(result.grad_norm))
 
 
 def _each_main(rank: int, world: int, rendezvous: str, configs: list, then, out: str) -> None:
@@ -191,9 +189,9 @@ def _each_main(rank: int, world: int, rendezvous: str, configs: list, then, out:
     _join(rank, world, rendezvous)
     results = []
     for config in configs:
-        progress = recording_progress(config.max_steps, rank)
-        trainee, _ = run(config, rank, world, progress=progress)
-        trained = {"model": full_state(trainee.model), "losses": progress.losses, "grad_norms": progress.grad_norms}
+        recorder = StepRecorder()
+        trainee, _ = run(config, rank, world, on_step=recorder)
+        trained = {"model": full_state(trainee.model), "losses": recorder.losses, "grad_norms": recorder.grad_norms}
         results.append(trained)
     if then is not None:
         gathered = [None] * world
@@ -232,30 +230,24 @@ def notice_preemption(deadline_s: float | None) -> None:
     stopping.RESTART_MARGIN_S = 0.0
 
 
-def interrupted_progress(total_steps: int, rank: int, at: int, how: str):
-    """A Progress that, after step `at`, sends this process SIGTERM (`how` "sigterm"), fails as a lost
+class Interrupter:
+    """An on_step hook that, after step `at`, sends this process SIGTERM (`how` "sigterm"), fails as a lost
     worker group would (`how` "crash"), or gets Ray Train's preemption notice (`how` "preempt", a drain with
     a 1 s deadline); it records the steps it saw."""
-    import signal
 
-    from loop import Progress
+    def __init__(self, at: int, how: str):
+        self.at, self.how, self.seen = at, how, []
 
-    class Interrupting(Progress):
-        seen: list
+    def __call__(self, step: int, result) -> None:
+        import signal
 
-        def step(self, step: int, result: dict) -> None:
-            super().step(step, result)
-            self.seen.append(step + 1)
-            if step + 1 == at and how == "sigterm":
-                os.kill(os.getpid(), signal.SIGTERM)
-            if step + 1 == at and how == "crash":
-                raise ConnectionError(f"lost after step {at}")
-            if step + 1 == at and how == "preempt":
-                notice_preemption(1.0)
-
-    progress = Interrupting(10**9, total_steps, rank)
-    progress.seen = []
-    return progress
+        self.seen.append(step + 1)
+        if step + 1 == self.at and self.how == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        if step + 1 == self.at and self.how == "crash":
+            raise ConnectionError(f"lost after step {self.at}")
+        if step + 1 == self.at and self.how == "preempt":
+            notice_preemption(1.0)
 
 
 def latest_checkpoint(root: str) -> str:
@@ -276,17 +268,17 @@ def _attempts_main(rank: int, world: int, rendezvous: str, config, plan: list[di
     results = []
     for step in plan:
         at, how = step.get("stop", {}).get(rank, (-1, ""))
-        progress = interrupted_progress(config.max_steps, rank, at, how)
+        interrupter = Interrupter(at, how)
         resume = latest_checkpoint(step["root"]) if step.get("resume") else None
         result = {"ended": "done", "from": resume and Path(resume).name}
         try:
-            trainee, state = run(config, rank, world, progress=progress, root=step["root"], resume_from=resume)
-            result |= {"state": state, "model": full_state(trainee.model)}
+            trainee, state = run(config, rank, world, on_step=interrupter, root=step["root"], resume_from=resume)
+            result |= {"state": state.to_json(), "model": full_state(trainee.model)}
         except (stopping.StopRequested, ConnectionError) as err:
             result["ended"] = type(err).__name__
             result["why"] = str(err)
         notice_preemption(None)
-        results.append(result | {"seen": progress.seen})
+        results.append(result | {"seen": interrupter.seen})
         dist.barrier()
     if rank == 0:
         torch.save(results, out)

@@ -144,6 +144,6 @@ def test_a_walkthrough_checkpoint_restores_its_weights_and_epoch(tiny_assets, tm
     resumed, again_optimizer = build(config, restored=restored)
     again = resumed.model
     state = ft.resume(restored, ShardedCheckpointer(again, again_optimizer, 0), str(tmp_path), 0, 1)
-    assert (state["epoch"], state["step"], state["attempt"], state["history"]) == (1, 6, 2, [{"epoch": 1}])
+    assert (state.epoch, state.step, state.attempt, state.history) == (1, 6, 2, ({"epoch": 1},))
     for (name, trained), restarted in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
         assert torch.equal(whole(trained), whole(restarted)), name

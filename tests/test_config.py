@@ -6,6 +6,7 @@ import pytest
 
 from infra import config
 from infra.config import ConfigError
+from infra.config_reader import Reader
 from infra.tpu import GENERATIONS, TpuSlice
 from tests.stack_harness import as_cli, parse_as_cli, run_program, stack_config
 
@@ -47,19 +48,21 @@ def test_derived_values(generation, topology):
         assert tpu.generation.ray_accelerator_type == "TPU-V6E"
 
 
-def test_jobs_restate_the_table_faithfully():
-    import backend
+def test_the_jobs_and_the_stack_read_one_tpu_table():
+    """The TPU facts live in jobs/tpu_generations.py; the stack's slice is derived from that same table, and the
+    fine-tune's worker count from it agrees with the slice's devices."""
+    from settings import FinetuneSettings, worker_count
 
-    from infra.runner import ray_jobs
+    from infra import tpu
+    from infra.job_modules import tpu_generations
 
-    assert backend.RESULT_PREFIX == ray_jobs.RESULT_PREFIX
+    assert tpu.GENERATIONS is tpu_generations.GENERATIONS
     for generation in GENERATIONS.values():
-        assert generation.chips_per_host == backend.CHIPS_PER_HOST
-        tpu_type = backend.ACCELERATOR_TYPES[generation.ray_accelerator_type]
-        assert tpu_type.devices_per_chip == generation.devices_per_chip
-        assert tpu_type.peak_bf16_flops_per_chip == generation.peak_bf16_tflops_per_chip * 1e12
-        tpu = TpuSlice(generation, generation.topologies[0])
-        assert backend.tpu_devices(tpu.topology, generation.ray_accelerator_type) == tpu.devices
+        for topology in generation.topologies:
+            tpu_slice = TpuSlice(generation, topology)
+            job = FinetuneSettings(topology=topology, accelerator_type=generation.ray_accelerator_type)
+            assert worker_count(job) == tpu_slice.devices
+            assert tpu_generations.by_accelerator_type(generation.ray_accelerator_type) is generation
 
 
 def test_defaults_come_from_pulumi_yaml():
@@ -136,9 +139,9 @@ BAD = {
         {"bucketName": "google-ckpt"},
         "gemma-tpu:bucketName: 'google-ckpt' is not a valid bucket name",
     ),
-    "zero epochs": ("v6e", {"epochs": "0"}, "gemma-tpu:epochs: 0 must be a positive integer"),
-    "negative batch": ("v6e", {"batchSize": "-2"}, "gemma-tpu:batchSize: -2 must be a positive integer"),
-    "batch not integer": ("v6e", {"batchSize": "four"}, "gemma-tpu:batchSize: 'four' is not integer"),
+    "zero epochs": ("v6e", {"epochs": "0"}, "gemma-tpu:epochs: 0 must be at least 1"),
+    "negative batch": ("v6e", {"batchSize": "-2"}, "gemma-tpu:batchSize: -2 must be at least 1"),
+    "batch not integer": ("v6e", {"batchSize": "four"}, "gemma-tpu:batchSize: 'four' is not an integer"),
     "long ray cluster name": (
         "v6e",
         {"rayClusterName": "r" * 54},
@@ -187,12 +190,19 @@ BAD = {
     ),
 }
 # Typos and pasted values that would pass `preview` and fail only on the slice.
-for value in ("nan", "inf", "1e309", "-1", "0"):
+for value in ("nan", "inf", "1e309"):
     BAD[f"learning rate {value}"] = (
         "v6e",
         {"learningRate": value},
         f"gemma-tpu:learningRate: '{value}' must be a finite number",
     )
+for value in ("-1", "0"):
+    BAD[f"learning rate {value}"] = (
+        "v6e",
+        {"learningRate": value},
+        f"gemma-tpu:learningRate: {float(value)} must be greater than 0",
+    )
+BAD["learning rate 2"] = ("v6e", {"learningRate": "2"}, "gemma-tpu:learningRate: 2.0 must be at most 1")
 for value in ("", " ", "$(rm -rf /)", "ü", "n2-standard-8\n"):
     BAD[f"head machine {value!r}"] = (
         "v6e",
@@ -212,28 +222,46 @@ for value in (" ", "\n", "$(rm -rf /)", "train[5]", "train[:10", "train +", ""):
         {"datasetSplit": value},
         f"gemma-tpu:datasetSplit: {value!r} is not a split expression",
     )
-for name in ("epochs", "batchSize", "seqLen", "jobTimeoutMinutes"):
-    BAD[f"huge {name}"] = ("v6e", {name: "9999999999999999999"}, f"gemma-tpu:{name}: 9999999999999999999 is more than")
+for name in ("epochs", "batchSize", "seqLen"):
+    BAD[f"huge {name}"] = (
+        "v6e",
+        {name: "9999999999999999999"},
+        f"gemma-tpu:{name}: 9999999999999999999 must be at most",
+    )
+BAD["huge jobTimeoutMinutes"] = (
+    "v6e",
+    {"jobTimeoutMinutes": "9999999999999999999"},
+    "gemma-tpu:jobTimeoutMinutes: 9999999999999999999 is more than",
+)
 BAD["negative maxFailures"] = ("v6e", {"maxFailures": "-1"}, "gemma-tpu:maxFailures: -1 must be at least 0")
-BAD["huge maxFailures"] = ("v6e", {"maxFailures": "101"}, "gemma-tpu:maxFailures: 101 is more than 100")
+BAD["huge maxFailures"] = (
+    "v6e",
+    {"maxFailures": "101"},
+    "gemma-tpu:maxFailures: 101 must be at most 100 (each restart",
+)
 BAD["shardedCheckpoints not a boolean"] = ("v6e", {"shardedCheckpoints": "yes"}, "gemma-tpu:shardedCheckpoints: 'yes'")
 # The recipe's keys: what the fine-tune would refuse on the slice, refused at preview.
 BAD["unknown recipe"] = (
     "v6e",
     {"recipe": "fast"},
-    "gemma-tpu:recipe: 'fast' is not a recipe; allowed: default, walkthrough",
+    "gemma-tpu:recipe: 'fast' is not one of default, walkthrough",
 )
-BAD["zero gradAccum"] = ("v6e", {"gradAccum": "0"}, "gemma-tpu:gradAccum: 0 must be a positive integer")
-BAD["warmup of 1"] = ("v6e", {"warmupRatio": "1"}, "gemma-tpu:warmupRatio: 1.0 must be at least 0 and below 1")
+BAD["zero gradAccum"] = ("v6e", {"gradAccum": "0"}, "gemma-tpu:gradAccum: 0 must be at least 1")
+BAD["warmup of 1"] = ("v6e", {"warmupRatio": "1"}, "gemma-tpu:warmupRatio: 1.0 must be below 1")
+BAD["warmup of 1.5"] = ("v6e", {"warmupRatio": "1.5"}, "gemma-tpu:warmupRatio: 1.5 must be below 1")
 BAD["negative warmup"] = ("v6e", {"warmupRatio": "-0.1"}, "gemma-tpu:warmupRatio: -0.1 must be at least 0")
-BAD["warmup not a number"] = ("v6e", {"warmupRatio": "lots"}, "gemma-tpu:warmupRatio: 'lots' is not string")
+BAD["warmup not a number"] = ("v6e", {"warmupRatio": "lots"}, "gemma-tpu:warmupRatio: 'lots' is not a number")
 BAD["negative maxGradNorm"] = (
     "v6e",
     {"maxGradNorm": "-1"},
-    "gemma-tpu:maxGradNorm: -1.0 must be 0 (no clipping) or more",
+    "gemma-tpu:maxGradNorm: -1.0 must be at least 0",
 )
-BAD["nan maxGradNorm"] = ("v6e", {"maxGradNorm": "nan"}, "gemma-tpu:maxGradNorm: nan must be 0")
-BAD["unknown schedule"] = ("v6e", {"lrSchedule": "linear"}, "gemma-tpu:lrSchedule: 'linear' is not a schedule")
+BAD["nan maxGradNorm"] = ("v6e", {"maxGradNorm": "nan"}, "gemma-tpu:maxGradNorm: 'nan' must be a finite number")
+BAD["unknown schedule"] = (
+    "v6e",
+    {"lrSchedule": "linear"},
+    "gemma-tpu:lrSchedule: 'linear' is not one of cosine, constant",
+)
 BAD["negative lossChunk"] = ("v6e", {"lossChunk": "-1"}, "gemma-tpu:lossChunk: -1 must be at least 0")
 BAD["eval overlaps"] = (
     "v6e",
@@ -244,7 +272,8 @@ BAD["eval inside a whole split"] = ("v6e", {"datasetSplit": "train", "evalSplit"
 BAD["auto after a split with no end"] = (
     "v6e",
     {"datasetSplit": "train"},
-    "gemma-tpu:evalSplit: auto holds out the records after the training slice, but gemma-tpu:datasetSplit 'train' has no end",
+    "gemma-tpu:evalSplit: 'auto' holds out the records after the training slice, but gemma-tpu:datasetSplit 'train' has "
+    "no end",
 )
 BAD["dataset and datasetFile"] = (
     "v6e",
@@ -260,10 +289,14 @@ BAD["datasetFile missing"] = ("v6e", {"datasetFile": "nope.jsonl"}, "gemma-tpu:d
 BAD["bad columns"] = (
     "v6e",
     {"datasetColumns": "question=prompt"},
-    "gemma-tpu:datasetColumns: 'question=prompt' must be",
+    "gemma-tpu:datasetColumns: 'question=prompt' is not NEW=OLD pairs",
 )
-BAD["bad overlong"] = ("v6e", {"overlong": "wrap"}, "gemma-tpu:overlong: 'wrap' must be one of truncate, drop")
-BAD["bad dataset config"] = ("v6e", {"datasetConfig": "a b"}, "gemma-tpu:datasetConfig: 'a b' must be")
+BAD["bad overlong"] = ("v6e", {"overlong": "wrap"}, "gemma-tpu:overlong: 'wrap' is not one of truncate, drop")
+BAD["bad dataset config"] = (
+    "v6e",
+    {"datasetConfig": "a b"},
+    "gemma-tpu:datasetConfig: 'a b' is not a configuration name",
+)
 BAD["eval garbage"] = ("v6e", {"evalSplit": "train[5]"}, "gemma-tpu:evalSplit: 'train[5]' is not auto, none or a split")
 BAD["batch over a chip"] = (
     "v6e",
@@ -278,7 +311,7 @@ BAD["sequence over a chip"] = (
 BAD["step saves with full checkpoints"] = (
     "v6e",
     {"recipe": "walkthrough", "saveEvery": "100"},
-    "gemma-tpu:saveEvery: 100 needs gemma-tpu:shardedCheckpoints true",
+    "gemma-tpu:saveEvery: 100 needs gemma-tpu:shardedCheckpoints (a full checkpoint restores",
 )
 BAD["negative max steps"] = ("v6e", {"maxSteps": "-1"}, "gemma-tpu:maxSteps: -1 must be at least 0")
 BAD["timeout over a week"] = (
@@ -341,8 +374,8 @@ GOOD_JOB_VALUES = {
 @pytest.mark.parametrize("name", GOOD_JOB_VALUES)
 def test_values_the_config_accepts_the_jobs_accept(name):
     """What passes validation reaches the fine-tune's own parser intact, and `datasets` parses the split."""
+    from command_line import parse_args
     from datasets import ReadInstruction
-    from ray_train_llm_finetune import parse_args
 
     from infra.runner.ray_jobs import job_specs
     from infra.training import training_settings
@@ -351,10 +384,10 @@ def test_values_the_config_accepts_the_jobs_accept(name):
         cfg = parse_as_cli({name: value})
         finetune = job_specs(training_settings(cfg), cfg.job.max_failures)[1]
         args = parse_args(list(finetune.args))
-        assert (args.model, args.dataset, args.split) == (cfg.job.model, cfg.job.dataset, cfg.job.dataset_split)
-        assert args.eval_split == cfg.job.recipe_settings.eval_split
+        assert (args.model, args.dataset, args.split) == (cfg.job.model, cfg.job.dataset, cfg.job.split)
+        assert args.eval_split == cfg.job.eval_split
         assert (args.epochs, args.batch_size, args.seq_len) == (cfg.job.epochs, cfg.job.batch_size, cfg.job.seq_len)
-        assert (args.lr, args.max_failures) == (cfg.job.learning_rate, cfg.job.max_failures)
+        assert (args.lr, args.max_failures) == (cfg.job.lr, cfg.job.max_failures)
         for split in (args.split, args.eval_split):
             if split not in ("auto", "none"):
                 ReadInstruction.from_spec(split)
@@ -364,7 +397,7 @@ def test_whole_splits_train_with_a_named_eval_split_or_none():
     for raw in ({"datasetSplit": "train", "evalSplit": "none"}, {"datasetSplit": "train+test", "evalSplit": "none"},
                 {"datasetSplit": "train[10%:]", "evalSplit": "test"}, {"datasetSplit": "train[:90%]", "evalSplit": "train[90%:]"}):  # fmt: skip
         cfg = parse_as_cli(raw)
-        assert (cfg.job.dataset_split, cfg.job.recipe_settings.eval_split) == (raw["datasetSplit"], raw["evalSplit"])
+        assert (cfg.job.split, cfg.job.eval_split) == (raw["datasetSplit"], raw["evalSplit"])
 
 
 def test_a_local_stack_takes_a_dashboard_url():
@@ -416,7 +449,7 @@ def test_a_declared_default_changes_no_decision(base, tmp_path):
 
 
 def test_only_keys_without_a_default_can_be_asked_whether_they_were_given():
-    reader = config._Reader({})
+    reader = Reader({})
     assert reader.given("capacity") is None and reader.given("dataset") is None
     with pytest.raises(AssertionError, match="epochs has a default in Pulumi.yaml"):
         reader.given("epochs")
@@ -426,7 +459,8 @@ def test_a_dataset_file_alone_is_read_under_the_clis_defaults(tmp_path):
     data = tmp_path / "records.jsonl"
     data.write_text('{"prompt": "a", "completion": "b"}\n')
     cfg = parse_as_cli({"datasetFile": str(data)})
-    assert cfg.job.dataset_file == str(data)
+    assert cfg.dataset_file == str(data)
+    assert cfg.job.dataset.startswith("gs://p-v6e-checkpoints/datasets/records-")  # the uploaded copy
     assert parse_as_cli({}).job.dataset == "databricks/databricks-dolly-15k"  # the walkthrough's, unset
     with pytest.raises(ConfigError, match="datasetFile and gemma-tpu:dataset are both set"):
         parse_as_cli({"datasetFile": str(data), "dataset": "databricks/databricks-dolly-15k"})
@@ -441,4 +475,4 @@ def test_a_reservation_keeps_the_slice_up_unless_scale_to_zero_is_set():
 
 def test_full_checkpoints_save_at_epoch_ends_unless_told_otherwise():
     cfg = parse_as_cli({"shardedCheckpoints": "false"})
-    assert (cfg.job.recipe_settings.save_every, cfg.job.recipe_settings.eval_every) == (0, 500)
+    assert (cfg.job.save_every, cfg.job.eval_every) == (0, 500)

@@ -48,8 +48,9 @@ FORMATS = {  # name: (file, records, extra flags, the assistant answers of one r
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_each_format_trains_on_the_assistant_turns_and_their_end_of_turn(name, tiny_assets, tmp_path, gloo_rank):
-    from prepared import prepare_docs
     from recipe import IGNORE
+
+    from tests.records import prepare_docs
 
     file, records, flags, answers = FORMATS[name]
     data = write(tmp_path / file, records * 24)
@@ -141,7 +142,7 @@ def test_a_gs_dataset_is_read_end_to_end_with_the_pods_credentials(
 
     import fsspec
     import ray_train_llm_finetune as ft
-    from flags import parse_args, resolve
+    from command_line import from_args, parse_args
 
     gs = fsspec.filesystem("gs")
     gs.pipe("gs://demo-data/chat/part-0.jsonl", (json.dumps(CONVERSATION) + "\n").encode() * 12)
@@ -160,7 +161,7 @@ def test_a_gs_dataset_is_read_end_to_end_with_the_pods_credentials(
     )  # fmt: skip
     assert any(r.endswith("/token") for r in metadata_server.requests[asked:])  # Workload Identity's token
     with pytest.raises(Exception, match="does not exist"):
-        ft.run(resolve(parse_args([*argv[:5], "gs://demo-data/chat/missing.jsonl", *argv[6:]])))
+        ft.run(from_args(parse_args([*argv[:5], "gs://demo-data/chat/missing.jsonl", *argv[6:]])))
     assert ACCESS_TOKEN.startswith("ya29.")
 
 

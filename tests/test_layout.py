@@ -47,15 +47,35 @@ def test_the_runner_loads_without_pulumi():
 
 
 def test_each_job_module_is_loaded_once_under_one_name():
-    """The stack and the jobs share data_formats, recipe and memory_plan: one module each, not `recipe` and
-    `jobs.recipe` side by side (two Recipe classes, two tables)."""
+    """The stack and the jobs share the settings table, the TPU table and the memory plan: one module each, not
+    `settings` and `jobs.settings` side by side (two tables)."""
     done = fresh_python(
-        "import sys, infra.config, infra.models, infra.prices, infra.training, ray_train_llm_finetune, recipe; "
+        "import sys, infra.config, infra.models, infra.prices, infra.training, ray_train_llm_finetune, settings, "
+        "tpu_generations, infra.tpu; "
         "print(sorted(m for m in sys.modules if m == 'jobs' or m.startswith('jobs.'))); "
-        "print(infra.config.Recipe is recipe.Recipe)"
+        "print(infra.config.settings is settings, infra.tpu.GENERATIONS is tpu_generations.GENERATIONS)"
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split("\n")[:2] == ["[]", "True"]
+    assert done.stdout.split("\n")[:2] == ["[]", "True True"]
+
+
+def jobs_path_inserts(path: Path) -> list[str]:
+    """Where a file puts jobs/ on sys.path."""
+    text = path.read_text()
+    return [f"{path.relative_to(ROOT)}:{n}" for n, line in enumerate(text.splitlines(), 1)
+            if re.search(r"sys\.path(\.insert|\.append|\[|\s*[+]?=)", line) and re.search("jobs", line, re.I)]  # fmt: skip
+
+
+def test_one_door_makes_the_jobs_importable():
+    """infra/, bench/ and the tests reach jobs/ through infra/job_modules.py, which a reader sees imported."""
+    files = [p for d in ("infra", "bench", "tests") for p in sorted((ROOT / d).rglob("*.py"))]
+    inserts = [place for path in files for place in jobs_path_inserts(path)]
+    assert [p.split(":")[0] for p in inserts] == ["infra/job_modules.py"], inserts
+
+
+def test_no_module_passes_400_lines():
+    files = sorted((ROOT / "jobs").rglob("*.py")) + sorted((ROOT / "infra").rglob("*.py"))
+    assert [f"{p.relative_to(ROOT)} ({n})" for p in files if (n := len(p.read_text().splitlines())) > 400] == []
 
 
 def test_the_fine_tune_entry_holds_the_driver_and_the_loop_only():
@@ -148,3 +168,27 @@ def test_the_readme_is_a_front_door():
     assert len(readme.splitlines()) <= 300
     for command in ("make local", "make test", "pulumi up -s v6e"):
         assert command in readme
+
+
+def test_every_component_takes_a_name_typed_args_and_options():
+    """As pulumi-eks's components: (name, args, opts), the args a dataclass built by keyword, dependencies and
+    providers through opts."""
+    import dataclasses
+    import importlib
+    import inspect
+    import typing
+
+    import pulumi
+
+    components = []
+    for path in sorted((ROOT / "infra").glob("*.py")):
+        module = importlib.import_module(f"infra.{path.stem}")
+        components += [c for c in vars(module).values() if inspect.isclass(c) and c.__module__ == module.__name__
+                       and issubclass(c, pulumi.ComponentResource)]  # fmt: skip
+    assert len(components) >= 7
+    for component in components:
+        hints = typing.get_type_hints(component.__init__)
+        assert list(inspect.signature(component.__init__).parameters) == ["self", "name", "args", "opts"], component
+        args = hints["args"]
+        keyword_only = all(f.kw_only for f in dataclasses.fields(args))
+        assert dataclasses.is_dataclass(args) and keyword_only, (component, args)

@@ -24,7 +24,7 @@ def fsdp_step_run(config, epochs: range, restored_from: str | None = None, save_
     trainee, state = run(config, epochs=epochs.stop, root=root and str(root), resume_from=resume)
     if save_to:
         shutil.copytree(root / f"checkpoint_epoch_{epochs.stop:04d}", save_to)
-    return trainee.model, trainee.tokenizer, [h["loss"] for h in state["history"][epochs.start :]]
+    return trainee.model, trainee.tokenizer, [h["loss"] for h in state.history[epochs.start :]]
 
 
 def adapters(state: dict) -> dict:
@@ -102,8 +102,8 @@ def count_layer_calls(model) -> list[int]:
 
 
 def test_activation_checkpointing_recomputes_each_layer_and_keeps_the_losses(tiny_assets, gloo_rank):
-    from loop import TrainingData
     from sft_data import model_inputs
+    from step import TrainingData
 
     from tests.inprocess import build
 

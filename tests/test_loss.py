@@ -82,10 +82,10 @@ def ours_and_theirs(assets: dict, *flags: str) -> tuple[dict, dict]:
     """One training step's first micro-batch through the fine-tune's model (model.build_model: FSDP2, the
     TokenLoss forward) and through the plain Hugging Face model's own forward (full logits, its soft-cap,
     its loss): ({"loss": ..., gradient name: ...}, the same for transformers)."""
-    from loop import TrainingData
     from model import freeze_per_layer_embeddings
     from recipe import predicted_tokens
     from sft_data import model_inputs
+    from step import TrainingData
     from transformers import AutoModelForCausalLM
 
     from tests.inprocess import build

@@ -67,8 +67,8 @@ def test_standard_mode_makes_a_node_pool_per_slice_each_placed_as_a_slice(two):
 
 
 def test_the_tpu_group_holds_a_replica_per_slice_and_the_jobs_are_told(two):
+    from command_line import from_args, parse_args
     from ray_core_collectives import parse_args as collectives_args
-    from ray_train_llm_finetune import parse_args, resolve
 
     from infra.runner.ray_jobs import job_specs
 
@@ -78,7 +78,7 @@ def test_the_tpu_group_holds_a_replica_per_slice_and_the_jobs_are_told(two):
     assert training["settings"]["num_slices"] == 2
     collectives, finetune = job_specs(training["settings"], training["max_failures"])
     assert collectives_args(list(collectives.args)).num_slices == 2
-    settings = resolve(parse_args(list(finetune.args)))
+    settings = from_args(parse_args(list(finetune.args)))
     assert (settings.num_slices, settings.topology) == (2, {"v6e": "4x4", "tpu7x": "2x2x2"}[two.stack])
 
 
@@ -139,9 +139,9 @@ def test_autopilot_asks_for_the_slices_through_the_group_alone():
 
 
 BAD = {
-    "zero": ({"numSlices": "0"}, "gemma-tpu:numSlices: 0 must be a positive integer"),
-    "not a number": ({"numSlices": "two"}, "gemma-tpu:numSlices: 'two' is not integer"),
-    "a fraction": ({"numSlices": "1.5"}, "gemma-tpu:numSlices: '1.5' is not integer"),
+    "zero": ({"numSlices": "0"}, "gemma-tpu:numSlices: 0 must be at least 1"),
+    "not a number": ({"numSlices": "two"}, "gemma-tpu:numSlices: 'two' is not an integer"),
+    "a fraction": ({"numSlices": "1.5"}, "gemma-tpu:numSlices: '1.5' is not an integer"),
     "past a cluster's nodes": ({"numSlices": "1250"}, "gemma-tpu:numSlices: 1250 slices of v6e 4x4 are 5000 TPU "
                                "hosts, past GKE's 5000 nodes a cluster (one is the head's): at most 1249"),
     "local groups": ({"mode": "local", "numSlices": "3"}, "gemma-tpu:numSlices: 3 does not divide "
@@ -164,8 +164,8 @@ def test_ray_train_counts_as_many_slices_as_the_stack_declares(two, monkeypatch)
     """Ray 2.60's Train controller derives the slice count from the topology and the workers
     (ray.util.tpu.get_tpu_num_slices_for_workers), counting devices a chip from RAY_TPU_RESOURCE_PER_CHIP
     in its own process: the head's env must carry it on Ironwood, or 32 workers on 2x2x2 would be 4 slices."""
-    from backend import resolve_num_workers
     from ray.util.tpu import get_tpu_num_slices_for_workers
+    from settings import from_dict, worker_count
 
     spec = two.one("kubernetes:ray.io/v1:RayCluster").inputs["spec"]
     head_env = {e["name"]: e.get("value") for e in spec["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]}
@@ -174,6 +174,6 @@ def test_ray_train_counts_as_many_slices_as_the_stack_declares(two, monkeypatch)
         monkeypatch.setenv("RAY_TPU_RESOURCE_PER_CHIP", head_env["RAY_TPU_RESOURCE_PER_CHIP"])
     settings = two.one("pulumi-python:dynamic:Resource", "training").inputs["settings"]
     topology, accelerator = settings["topology"], settings["accelerator_type"]
-    workers = resolve_num_workers("tpu", topology, accelerator, None, settings["num_slices"])
+    workers = worker_count(from_dict(settings))
     assert workers == 32
     assert get_tpu_num_slices_for_workers(topology, accelerator, workers, {"TPU": 1}) == 2

@@ -155,24 +155,25 @@ def test_describe_counts_the_matmuls_of_gemma4(tiny):
 
 
 def test_walkthrough_flags_are_accepted(monkeypatch, capsys):
-    import backend
-    import ray_train_llm_finetune as ft
+    from command_line import from_args, parse_args
+    from settings import check, worker_count
 
     monkeypatch.setenv("STORAGE_PATH", "gs://b/ray_train_torchtpu")
-    args = ft.parse_args(
+    args = parse_args(
         ["--model-id", "google/gemma-4-E2B-it", "--num-epochs", "3", "--batch-size-per-device", "4",
          "--dataset-split", "train[:1024]", "--num-workers", "16"]
     )  # fmt: skip
     assert (args.model, args.epochs, args.batch_size, args.split) == ("google/gemma-4-E2B-it", 3, 4, "train[:1024]")
-    assert args.storage_path == "gs://b/ray_train_torchtpu" and ft.resolve(args).packing is True
-    assert backend.resolve_num_workers("tpu", "4x4", "TPU-V6E", args.num_workers) == 16
-    assert ft.resolve(ft.parse_args(["--no-packing"])).packing is False
+    walkthrough = from_args(args)
+    assert walkthrough.storage_path == "gs://b/ray_train_torchtpu" and walkthrough.packing is True
+    assert worker_count(check(walkthrough)) == 16
+    assert from_args(parse_args(["--no-packing"])).packing is False
     monkeypatch.delenv("STORAGE_PATH")
-    assert ft.parse_args([]).storage_path == os.path.expanduser("~/ray_results")
+    assert from_args(parse_args([])).storage_path == os.path.expanduser("~/ray_results")
     with pytest.raises(SystemExit):
-        ft.parse_args(["--help"])
+        parse_args(["--help"])
     shown = capsys.readouterr().out
-    for pair in ("--model MODEL, --model-id MODEL", "--epochs EPOCHS, --num-epochs EPOCHS", "--no-packing"):
+    for pair in ("--model TEXT, --model-id TEXT", "--epochs N, --num-epochs N", "--no-packing"):
         assert pair in shown
 
 
@@ -181,7 +182,7 @@ def test_peak_flops_per_device_and_mfu():
 
     import ray_train_llm_finetune as ft
 
-    base = ft.resolve(ft.parse_args(["--backend", "tpu", "--accelerator-type", "TPU-V6E"]))
+    base = ft.from_args(ft.parse_args(["--backend", "tpu", "--accelerator-type", "TPU-V6E"]))
     assert ft.peak_flops_per_device(base) == 918e12
     assert ft.peak_flops_per_device(replace(base, accelerator_type="TPU-V7X")) == 2307e12 / 2
     assert ft.peak_flops_per_device(replace(base, backend="cpu")) is None

@@ -28,8 +28,11 @@ def tokenizer_of(assets: dict):
 def test_the_prepared_rows_are_the_rows_the_records_make_in_memory(tiny_assets, tmp_path, flags):
     """Row for row, the four tensors sft_data.examples makes from every record rendered in memory: the
     sampler's order is a function of (seed, epoch) over the same rows, so a run trains the same weights."""
-    from prepared import PreparedRows, local_directory, prepare, prepare_docs
+    from prepare import prepare
+    from prepared import PreparedRows, local_directory
     from sft_data import examples
+
+    from tests.records import prepare_docs
 
     config = replace(settings(tiny_assets, "--eval-split", "train[80:96]", *flags), storage_path=str(tmp_path))
     tokenizer = tokenizer_of(tiny_assets)
@@ -46,7 +49,7 @@ def test_the_prepared_rows_are_the_rows_the_records_make_in_memory(tiny_assets, 
 
 
 def test_a_second_preparation_reuses_the_first_and_any_change_makes_a_new_one(tiny_assets, tmp_path, monkeypatch):
-    import prepared
+    import prepare as prepared
 
     config = replace(settings(tiny_assets), storage_path=str(tmp_path))
     tokenizer = tokenizer_of(tiny_assets)
@@ -101,7 +104,8 @@ def test_prepared_in_gs_is_copied_once_to_the_machine_and_read_the_same(storage,
     emulator, with the pods' credentials) and reads the same rows as from a local preparation."""
     import tempfile
 
-    from prepared import PreparedRows, local_directory, prepare
+    from prepare import prepare
+    from prepared import PreparedRows, local_directory
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "machine"))
     (tmp_path / "machine").mkdir()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.raycluster import RayClusterArgs, ray_cluster_manifest
+from infra.raycluster import RayClusterSpec, ray_cluster_manifest
 from tests.crd_schema import load_schema, validate
 from tests.stack_harness import parse_as_cli
 
@@ -17,11 +17,13 @@ IMAGE = "us-east5-docker.pkg.dev/p/ray-torchtpu/ray-torchtpu@sha256:" + "cd" * 3
 TOKEN_ENV = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-secret", "key": "hf_api_token"}}}
 
 
-def cfg_for(generation: str, topology: str, **raw) -> RayClusterArgs:
-    """The RayCluster's arguments as __main__.py gives them from the stack's config."""
+def cfg_for(generation: str, topology: str, **raw) -> RayClusterSpec:
+    """The RayCluster's spec as __main__.py gives it from the stack's config."""
     cfg = parse_as_cli({"tpuGeneration": generation, "tpuTopology": topology, **raw}, stack="t", region="us-east5")
-    return RayClusterArgs(cfg.ray_cluster_name, cfg.namespace, cfg.slice, cfg.capacity, cfg.autopilot, cfg.head_cpus,
-                          cfg.num_slices, cfg.defer_and_fuse, cfg.compile_cache_root, cfg.service_account)  # fmt: skip
+    return RayClusterSpec(name=cfg.ray_cluster_name, namespace=cfg.namespace, tpu=cfg.slice, capacity=cfg.capacity,
+                          autopilot=cfg.autopilot, head_cpus=cfg.head_cpus, num_slices=cfg.num_slices,
+                          defer_and_fuse=cfg.defer_and_fuse, compile_cache=cfg.compile_cache_root,
+                          service_account=cfg.service_account)  # fmt: skip
 
 
 STOP_HOOK_SOURCE = (Path(__file__).resolve().parent.parent / "infra" / "stop_hook.py").read_text()

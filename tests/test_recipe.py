@@ -41,11 +41,10 @@ def test_one_step_is_one_global_batch_however_the_batch_is_split(tiny_assets):
 
 
 def test_the_schedule_warms_up_then_decays_to_a_tenth():
-    from loop import Schedule
-    from recipe import lr_at, warmup_steps
+    from recipe import Schedule, lr_at, warmup_steps
 
-    schedule = Schedule(peak_lr=1e-3, kind="cosine", warmup_ratio=0.1, total_steps=100)
-    lrs = [schedule.lr(s) for s in range(100)]
+    schedule = Schedule(lr=1e-3, lr_schedule="cosine", warmup_ratio=0.1, total_steps=100)
+    lrs = [schedule.at(s) for s in range(100)]
     assert warmup_steps(100, 0.1) == 10 and lrs[0] == pytest.approx(1e-4)  # no step at lr 0
     assert lrs[:10] == pytest.approx([1e-3 * (s + 1) / 10 for s in range(10)])  # linear warmup
     assert lrs[10] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(1e-4)  # peak, then 10% at the end
@@ -57,7 +56,7 @@ def test_the_schedule_warms_up_then_decays_to_a_tenth():
 
 def test_the_eval_loss_is_token_weighted_and_leaves_the_weights_untouched(tiny_assets, gloo_rank):
     """evaluate() against every predicted token's -log p from a plain copy of the model's own logits."""
-    from loop import TrainingData, evaluate
+    from step import TrainingData, evaluate
     from transformers import AutoModelForCausalLM
 
     from tests.inprocess import full_state
@@ -90,9 +89,10 @@ def test_the_eval_loss_is_token_weighted_and_leaves_the_weights_untouched(tiny_a
 
 
 def test_the_walkthrough_recipe_restores_every_default_and_single_flags_still_win():
-    from flags import parse_args, resolve
+    from command_line import from_args, parse_args
+    from settings import check
 
-    walk = resolve(parse_args(["--recipe", "walkthrough"]))
+    walk = from_args(parse_args(["--recipe", "walkthrough"]))
     assert {k: getattr(walk, k) for k in ("packing", "sharded_checkpoints", "chat_template", "prompt_loss", "lr_schedule",
                                  "warmup_ratio", "max_grad_norm", "eval_split", "loss_chunk", "grad_accum",
                                  "save_every", "eval_every", "eval_samples", "max_steps")} == {
@@ -100,38 +100,39 @@ def test_the_walkthrough_recipe_restores_every_default_and_single_flags_still_wi
         "lr_schedule": "constant", "warmup_ratio": 0.0, "max_grad_norm": 0.0, "eval_split": "none",
         "loss_chunk": 0, "grad_accum": 1, "save_every": 0, "eval_every": 0, "eval_samples": 0, "max_steps": 0,
     }  # fmt: skip
-    from backend import JobInputError
-    from flags import check_flags
+    from outcome import JobInputError
 
-    full = resolve(parse_args(["--no-sharded-checkpoints"]))  # the default recipe with full checkpoints
-    assert (full.save_every, full.eval_every) == (0, 500)
-    check_flags(full)
-    with pytest.raises(JobInputError, match="--save-every 10 needs sharded checkpoints"):
-        check_flags(resolve(parse_args(["--recipe", "walkthrough", "--save-every", "10"])))
-    with pytest.raises(JobInputError, match="--eval-samples must be 0 or more"):
-        check_flags(resolve(parse_args(["--eval-samples", "-1"])))
-    default = resolve(parse_args([]))
+    full = from_args(parse_args(["--no-sharded-checkpoints", "--backend", "cpu", "--num-workers", "1"]))
+    assert (full.save_every, full.eval_every) == (0, 500)  # the default recipe with full checkpoints
+    check(full)
+    with pytest.raises(JobInputError, match="--save-every 10 needs --sharded-checkpoints"):
+        check(from_args(parse_args(["--recipe", "walkthrough", "--save-every", "10"])))
+    with pytest.raises(JobInputError, match="--eval-samples -1 must be at least 0"):
+        check(from_args(parse_args(["--eval-samples", "-1"])))
+    default = from_args(parse_args([]))
     assert (default.packing, default.chat_template, default.prompt_loss, default.lr_schedule) == (
         True, True, False, "cosine",
     )  # fmt: skip
     assert (default.warmup_ratio, default.max_grad_norm, default.eval_split) == (0.03, 1.0, "auto")
     assert (default.save_every, default.eval_every, default.eval_samples, default.max_steps) == (500, 500, 4, 0)
-    mixed = resolve(parse_args(["--recipe", "walkthrough", "--packing", "--eval-split", "auto"]))
+    mixed = from_args(parse_args(["--recipe", "walkthrough", "--packing", "--eval-split", "auto"]))
     assert (mixed.packing, mixed.eval_split, mixed.chat_template) == (True, "auto", False)
 
 
 BAD_FLAGS = {
-    "grad accum": (["--grad-accum", "0"], "--grad-accum must be a positive integer (got 0)"),
-    "warmup": (["--warmup-ratio", "1"], "--warmup-ratio must be in [0, 1) (got 1.0)"),
-    "negative warmup": (["--warmup-ratio", "-0.1"], "--warmup-ratio must be in [0, 1) (got -0.1)"),
-    "grad norm": (["--max-grad-norm", "-1"], "--max-grad-norm must be 0 (no clipping) or more (got -1.0)"),
-    "overlap": (
-        ["--eval-split", "train[70:90]"],
-        "the eval split train[70:90] overlaps the training split train[0:80]",
+    "grad accum": (["--grad-accum", "0"], "--grad-accum 0 must be at least 1"),
+    "warmup": (["--warmup-ratio", "1"], "--warmup-ratio 1.0 must be below 1"),
+    "negative warmup": (["--warmup-ratio", "-0.1"], "--warmup-ratio -0.1 must be at least 0"),
+    "grad norm": (["--max-grad-norm", "-1"], "--max-grad-norm -1.0 must be at least 0"),
+    "overlap": (["--eval-split", "train[70:90]"], "--eval-split 'train[70:90]' overlaps --split 'train[:80]'"),
+    "overlap, resolved": (  # percentages: only the data's size tells
+        ["--split", "train[:50%]", "--eval-split", "train[40%:60%]"],
+        "the eval split train[38:58] overlaps the training split train[0:48]",  # of the 96 records
     ),
     "empty eval": (["--eval-split", "train[90:90]"], "the eval split holds no records (train[90:90])"),
-    "no room after": (["--split", "train"], "--eval-split auto takes the records after the training slice"),
-    "columns": (["--columns", "prompt"], "--columns 'prompt': each entry is NEW=OLD"),
+    "no end": (["--split", "train"], "--eval-split 'auto' holds out the records after the training slice, but"),
+    "no room after": (["--split", "train[:2000]"], "--eval-split auto takes the records after the training slice"),
+    "columns": (["--columns", "prompt"], "--columns 'prompt' is not NEW=OLD pairs: each entry is NEW=OLD"),
 }
 
 
@@ -149,15 +150,15 @@ def test_bad_recipe_flags_fail_before_any_worker(case, tiny_assets, tmp_path, ca
 
 def test_progress_puts_tensorboard_in_the_run_storage_and_keeps_no_local_copy(gloo_rank, tmp_path):
     import pyarrow.fs
-    from loop import Progress
     from run_files import TensorBoard
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from training_run import Progress, Sums
 
     board = TensorBoard(pyarrow.fs.LocalFileSystem(), str(tmp_path / "run" / "tensorboard"))
     local = Path(board.writer.log_dir)
     progress = Progress(every=2, total_steps=3, rank=0, board=board)
-    for step in range(3):
-        progress.step(step, {"loss_sum": 6.0 * (step + 1), "predicted": 3.0, "real": 4.0, "lr": 0.1, "grad_norm": 1})
+    progress.line(2, Sums(loss=6.0 + 12.0, predicted=6.0, real=8.0, steps=2, seconds=1.0), lr=0.1, grad_norm=1.0)
+    progress.line(3, Sums(loss=18.0, predicted=3.0, real=4.0, steps=1, seconds=1.0), lr=0.1, grad_norm=1.0)
     sample = {"prompt": "user\nName a river.\nmodel\n", "completion": "The Nile.", "reference": "The Amazon."}
     progress.evaluated(2, {"eval_loss": 5.5}, [sample])
     progress.epoch({"loss": 4.0, "eval_loss": 5.0, "step": 3})

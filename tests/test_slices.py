@@ -41,19 +41,19 @@ def test_two_slices_of_two_train_what_one_slice_of_four_does(layouts):
 
 
 def test_the_slices_must_divide_the_workers_before_any_starts(tiny_assets):
-    from backend import JobInputError
-    from flags import check_inputs
+    from outcome import JobInputError
+    from settings import check, worker_count
 
-    assert check_inputs(settings(tiny_assets, "--num-workers", "4", "--num-slices", "2"))[1] == 4
+    assert worker_count(check(settings(tiny_assets, "--num-workers", "4", "--num-slices", "2"))) == 4
     with pytest.raises(JobInputError, match=r"--num-slices 3 does not divide --num-workers 4.*one of 1, 2, 4"):
-        check_inputs(settings(tiny_assets, "--num-workers", "4", "--num-slices", "3"))
-    with pytest.raises(JobInputError, match="--num-slices must be a positive integer"):
-        check_inputs(settings(tiny_assets, "--num-workers", "4", "--num-slices", "0"))
+        check(settings(tiny_assets, "--num-workers", "4", "--num-slices", "3"))
+    with pytest.raises(JobInputError, match="--num-slices 0 must be at least 1"):
+        check(settings(tiny_assets, "--num-workers", "4", "--num-slices", "0"))
     tpu = settings(tiny_assets, "--backend", "tpu", "--num-workers", "16", "--num-slices", "2")
     with pytest.raises(
-        JobInputError, match=r"--num-workers 16 does not match --num-slices 2 x --topology 4x4.*pass 32"
+        JobInputError, match=r"--num-workers 16 does not match --num-slices 2 x --topology 4x4.*give 32"
     ):
-        check_inputs(tpu)
+        check(tpu)
 
 
 def test_the_collectives_check_covers_each_slice_and_the_network_between_them(layouts):

@@ -241,42 +241,18 @@ def test_training_jobs_resource(run):
     assert training["image"].endswith("@" + DIGEST)
     assert len(training["code"]) == 64
     topology, accelerator = {"v6e": ("4x4", "TPU-V6E"), "tpu7x": ("2x2x2", "TPU-V7X")}[run.stack]
-    assert training["settings"] == {
-        "backend": "tpu",
-        "topology": topology,
-        "accelerator_type": accelerator,
-        "model": "google/gemma-4-E2B-it",
-        "dataset": "databricks/databricks-dolly-15k",
-        "dataset_config": "",
-        "dataset_columns": "",
-        "overlong": "truncate",
-        "dataset_split": "train[:1024]",
-        "epochs": 3,
-        "batch_size": 4,
-        "seq_len": 512,
-        "learning_rate": 2e-05,
-        "recipe": "default",
-        "grad_accum": 1,
-        "activation_checkpointing": False,
-        "lora": False,
-        "lora_rank": 16,
-        "lora_alpha": 32,
-        "packing": True,
-        "sharded_checkpoints": True,
-        "chat_template": True,
-        "prompt_loss": False,
-        "lr_schedule": "cosine",
-        "warmup_ratio": 0.03,
-        "max_grad_norm": 1.0,
-        "eval_split": "auto",
-        "loss_chunk": 256,
-        "max_steps": 0,
-        "save_every": 500,
-        "eval_every": 500,
-        "eval_samples": 4,
-        "num_slices": 1,
+    assert training["settings"] == {  # the fine-tune's settings (jobs/settings.py) but maxFailures and the unset
+        "recipe": "default", "model": "google/gemma-4-E2B-it", "dataset": "databricks/databricks-dolly-15k",
+        "split": "train[:1024]", "eval_split": "auto", "overlong": "truncate",
+        "epochs": 3, "batch_size": 4, "grad_accum": 1, "seq_len": 512,
+        "packing": True, "chat_template": True, "prompt_loss": False,
+        "lr": 2e-05, "lr_schedule": "cosine", "warmup_ratio": 0.03, "max_grad_norm": 1.0, "weight_decay": 0.01,
+        "loss_chunk": 256, "max_steps": 0, "save_every": 500, "eval_every": 500, "eval_samples": 4,
+        "activation_checkpointing": False, "lora": False, "lora_rank": 16, "lora_alpha": 32, "seed": 42,
+        "topology": topology, "accelerator_type": accelerator, "backend": "tpu", "num_slices": 1,
         "storage_path": f"gs://demo-project-{run.stack}-checkpoints/ray_train_torchtpu",
-    }
+        "sharded_checkpoints": True, "async_checkpoint": True, "preflight": False, "prepare_chunk": 2048,
+    }  # fmt: skip
     assert training["target"] == {
         "kind": "gke",
         "endpoint": "203.0.113.10",
@@ -339,10 +315,10 @@ def test_specific_reservation(mode):
 def test_the_recipe_reaches_the_fine_tune_as_its_flags(stack, recipe):
     """`recipe: walkthrough` is the walkthrough's every default; the fine-tune, parsing the flags the
     job resource passes it, ends with exactly the stack's settings; maxFailures is passed on."""
+    from command_line import from_args
+    from command_line import parse_args as ft_parse_args
     from ray_core_collectives import parse_args as collectives_parse_args
-    from ray_train_llm_finetune import parse_args as ft_parse_args
-    from ray_train_llm_finetune import resolve
-    from recipe import RECIPE_KEYS, RECIPES
+    from settings import RECIPE_SETTINGS, recipe_values
 
     from infra.runner.ray_jobs import job_specs
 
@@ -351,23 +327,24 @@ def test_the_recipe_reaches_the_fine_tune_as_its_flags(stack, recipe):
     run = run_program(stack, stack_config(stack, **flags))
     training = run.one("pulumi-python:dynamic:Resource", "training").inputs
     settings = training["settings"]
-    assert {k: settings[k] for k in RECIPE_KEYS} == {k: getattr(RECIPES[recipe], k) for k in RECIPE_KEYS}
+    assert {k: settings[k] for k in RECIPE_SETTINGS} == recipe_values(recipe)
     assert (settings["packing"], settings["sharded_checkpoints"], settings["eval_split"]) == (
         (False, False, "none") if walkthrough else (True, True, "auto")
     )
     assert training["max_failures"] == (0 if walkthrough else 3)
-    collectives, finetune = job_specs(settings, training["max_failures"])
     # as the jobs' own parsers read them, after Pulumi's wire format made every number a float
-    parsed = resolve(ft_parse_args(list(finetune.args)))
+    wire = {k: float(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in settings.items()}
+    collectives, finetune = job_specs(wire, float(training["max_failures"]))
+    parsed = from_args(ft_parse_args(list(finetune.args)))
     assert (parsed.epochs, parsed.batch_size, parsed.seq_len, parsed.grad_accum) == (3, 4, 512, 1)
-    assert {k: getattr(parsed, k) for k in RECIPE_KEYS} == {k: settings[k] for k in RECIPE_KEYS}
+    assert {k: getattr(parsed, k) for k in RECIPE_SETTINGS} == {k: settings[k] for k in RECIPE_SETTINGS}
     assert parsed.recipe == recipe and parsed.max_failures == training["max_failures"]
     assert collectives_parse_args(list(collectives.args)).topology == settings["topology"]
     args = " ".join(finetune.args)
     if walkthrough:
-        assert "--no-packing --no-chat-template --prompt-loss" in args and args.endswith("--max-failures 0")
+        assert "--no-packing --no-chat-template --prompt-loss" in args and "--max-failures=0" in args
     else:
-        assert "--packing --chat-template --no-prompt-loss" in args and args.endswith("--max-failures 3")
+        assert "--packing --chat-template --no-prompt-loss" in args and "--max-failures=3" in args
 
 
 def test_a_single_key_overrides_its_recipe():
@@ -380,7 +357,7 @@ def test_a_single_key_overrides_its_recipe():
 def test_a_dataset_file_is_uploaded_under_its_content_hash_and_read_by_the_job(mode, tmp_path):
     import hashlib
 
-    from ray_train_llm_finetune import parse_args
+    from command_line import parse_args
 
     from infra.runner.ray_jobs import base_id, job_specs
 
@@ -458,11 +435,11 @@ def test_31b_on_v6e_is_refused_with_its_advice_then_accepted_with_activation_che
                                            lora="true"))  # fmt: skip
     settings = both.one("pulumi-python:dynamic:Resource", "training").inputs["settings"]
     assert (settings["lora"], settings["activation_checkpointing"], settings["lora_rank"]) == (True, True, 16)
-    from ray_train_llm_finetune import parse_args, resolve
+    from command_line import from_args, parse_args
 
     from infra.runner.ray_jobs import job_specs
 
-    args = resolve(parse_args(list(job_specs(settings, 3)[1].args)))
+    args = from_args(parse_args(list(job_specs(settings, 3)[1].args)))
     assert (args.lora, args.activation_checkpointing, args.lora_rank, args.lora_alpha) == (
         True,
         True,

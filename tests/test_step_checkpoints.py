@@ -82,7 +82,7 @@ def test_a_restart_keeps_the_answers_up_to_its_step_and_refuses_a_checkpoint_wit
 
     import pyarrow.fs
     from run_files import SampleLog, last_samples
-    from run_loop import resumed_state
+    from training_run import resumed_state
 
     path = tmp_path / "samples.jsonl"
     answer = {"prompt": "p", "completion": "c", "reference": "r"}
@@ -94,9 +94,16 @@ def test_a_restart_keeps_the_answers_up_to_its_step_and_refuses_a_checkpoint_wit
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [5, 10]
     assert last_samples(str(path)) == [{"step": 10, **answer, "completion": "again"}]
 
-    assert resumed_state({}, 2) | {"history": None} == {"epoch": 0, "step": 0, "history": None, "evals": [],
-                                                         "running": {}, "progress": {}, "attempt": 1, "world_size": 2}  # fmt: skip
-    assert resumed_state({"epoch": 1, "step": 6, "attempt": 2, "world_size": 4}, 2)["attempt"] == 3
+    fresh = resumed_state({}, 2)
+    assert (fresh.epoch, fresh.step, fresh.history, fresh.evals, fresh.attempt, fresh.world_size) == (
+        0,
+        0,
+        (),
+        (),
+        1,
+        2,
+    )
+    assert resumed_state({"epoch": 1, "step": 6, "attempt": 2, "world_size": 4}, 2).attempt == 3
     with pytest.raises(RuntimeError, match="did not record its step; start a new run"):
         resumed_state({"epoch": 1, "history": [], "attempt": 1, "world_size": 2}, 2)
 

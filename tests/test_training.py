@@ -21,10 +21,12 @@ from tests.apiserver_standin import FakeSlice, ServiceProxyStandin
 from tests.stack_harness import run_program, stack_config
 
 
-def local_props(head, tiny_assets, storage, stack="t", **settings) -> dict:
-    """The job resource's inputs as `make local` builds them (Pulumi.local.yaml), on the tiny assets."""
+def local_props(head, tiny_assets, storage, stack="t", collectives_workers: int | None = None, **settings) -> dict:
+    """The job resource's inputs as `make local` builds them (Pulumi.local.yaml), on the tiny assets; `settings`
+    replace some of the fine-tune's."""
     props = training_props(local_cfg(tiny_assets, storage, stack), local_target(head.dashboard_url), "local", "local")
     props["settings"].update(settings)
+    props["collectives_workers"] = collectives_workers or props["collectives_workers"]
     props["poll_s"] = 1
     return props
 
@@ -382,7 +384,7 @@ def test_local_stack_declares_only_the_jobs():
     assert run.types == ["pulumi-python:dynamic:Resource"]
     training = run.one("pulumi-python:dynamic:Resource", "training").inputs
     assert training["settings"]["backend"] == "cpu"
-    assert training["settings"]["collectives_workers"] == 4 and training["settings"]["finetune_workers"] == 2
+    assert training["collectives_workers"] == 4 and training["settings"]["num_workers"] == 2
     assert training["settings"]["model"].endswith("/.local/assets/model")
     assert training["target"] == {"kind": "local", "address": "http://127.0.0.1:8265"}
     assert "checkpoint" in run.outputs
@@ -486,7 +488,7 @@ def test_bad_data_fails_on_the_head_before_the_slice_is_asked_for(ray_head, tiny
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "Describe bees.", "completion": "Bees are warm."}\n{"prompt": "x", "completion": ""}\n')
     tpu = FakeSlice("ray-torchtpu-cluster", "v6e-16", hosts=4)
-    err, logged = scaled_run(ray_head, tiny_assets, tmp_path, "sbad", tpu, dataset=str(bad), dataset_split="train",
+    err, logged = scaled_run(ray_head, tiny_assets, tmp_path, "sbad", tpu, dataset=str(bad), split="train",
                              eval_split="none")  # fmt: skip
     assert isinstance(err, ray_jobs.JobFailed) and "[preflight] job sbad-preflight-" in str(err)
     assert "bad.jsonl, line 2: completion is empty; it must be non-empty text" in str(err)

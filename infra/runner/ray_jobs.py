@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage import PROBE_FAILED  # (a job module: infra puts jobs/ on the path)
-
 from infra import JOBS_DIR
+from infra.job_modules import command_line, outcome, storage
+from infra.job_modules import settings as job_settings
 from infra.runner.job_client import Log, LogFollower, SubmitUncertain, connect, default_log
 from infra.runner.kube_api import KubeApi, api_server_url
 from infra.runner.resilience import GoogleTokens, RetryPolicy, TokenSource, Unreachable
@@ -28,7 +28,7 @@ from infra.runner.slice_scaler import NoRayCluster, SliceScaler
 
 UPLOAD_EXCLUDES = ["__pycache__", "*.pyc", "tiny_assets.py"]
 ACTIVE, DONE, BROKEN = {"PENDING", "RUNNING"}, "SUCCEEDED", {"FAILED", "STOPPED"}
-RESULT_PREFIX = "JOB_RESULT_JSON: "
+RESULT_PREFIX = outcome.RESULT_PREFIX
 LOG_TAIL_LINES = 50
 MAX_ATTEMPTS = 20
 
@@ -58,54 +58,15 @@ class JobSpec:
         return shlex.join(["python", self.script, *self.args])
 
 
-def job_specs(settings: dict, max_failures: int) -> list[JobSpec]:
-    """The collectives check, then the fine-tune, with arguments from the stack's settings."""
-    placement = ["--backend", settings["backend"]]
-    if settings["backend"] == "tpu":
-        placement += ["--topology", settings["topology"], "--accelerator-type", settings["accelerator_type"]]
-    if settings.get("num_slices", 1) > 1:
-        placement += ["--num-slices", whole(settings["num_slices"])]
-    collectives = [*placement]
-    finetune = [*placement]
-    if settings["backend"] != "tpu":
-        collectives += ["--num-workers", whole(settings["collectives_workers"])]
-        finetune += ["--num-workers", whole(settings["finetune_workers"])]
-    finetune += [
-        "--recipe", settings["recipe"],
-        "--model", settings["model"],
-        "--dataset", settings["dataset"],
-        *(["--dataset-config", settings["dataset_config"]] if settings["dataset_config"] else []),
-        *(["--columns", settings["dataset_columns"]] if settings["dataset_columns"] else []),
-        "--overlong", settings["overlong"],
-        "--split", settings["dataset_split"],
-        "--eval-split", settings["eval_split"],
-        "--epochs", whole(settings["epochs"]),
-        "--batch-size", whole(settings["batch_size"]),
-        "--grad-accum", whole(settings["grad_accum"]),
-        "--seq-len", whole(settings["seq_len"]),
-        switch("packing", settings["packing"]),
-        switch("chat-template", settings["chat_template"]),
-        switch("prompt-loss", settings["prompt_loss"]),
-        "--lr", str(settings["learning_rate"]),
-        "--lr-schedule", settings["lr_schedule"],
-        "--warmup-ratio", str(settings["warmup_ratio"]),
-        "--max-grad-norm", str(settings["max_grad_norm"]),
-        "--loss-chunk", whole(settings["loss_chunk"]),
-        "--max-steps", whole(settings.get("max_steps", 0)),
-        "--save-every", whole(settings.get("save_every", 0)),
-        "--eval-every", whole(settings.get("eval_every", 0)),
-        "--eval-samples", whole(settings.get("eval_samples", 0)),
-        switch("activation-checkpointing", settings["activation_checkpointing"]),
-        switch("lora", settings["lora"]),
-        "--lora-rank", whole(settings["lora_rank"]),
-        "--lora-alpha", whole(settings["lora_alpha"]),
-        switch("sharded-checkpoints", settings["sharded_checkpoints"]),
-        "--storage-path", settings["storage_path"],
-        "--max-failures", whole(max_failures),
-    ]  # fmt: skip
+def job_specs(settings: dict, max_failures: int, collectives_workers: int | None = None) -> list[JobSpec]:
+    """The collectives check, then the fine-tune: its settings (jobs/settings.py) as its own command line, and
+    their placement as the check's (with its own worker count off TPU)."""
+    finetune = job_settings.from_dict(settings | {"max_failures": max_failures})
     return [
-        JobSpec("collectives", "ray_core_collectives.py", tuple(collectives)),
-        JobSpec("finetune", "ray_train_llm_finetune.py", tuple(finetune)),
+        JobSpec(
+            "collectives", "ray_core_collectives.py", tuple(command_line.placement_argv(finetune, collectives_workers))
+        ),
+        JobSpec("finetune", "ray_train_llm_finetune.py", tuple(command_line.to_argv(finetune))),
     ]
 
 
@@ -114,24 +75,14 @@ def preflight(finetune: JobSpec) -> JobSpec:
     return JobSpec("preflight", finetune.script, (*finetune.args, "--preflight"))
 
 
-def switch(flag: str, on: bool) -> str:
-    return f"--{flag}" if on else f"--no-{flag}"
-
-
-def whole(number: float) -> str:
-    """A count as the jobs' int flags parse it. A dynamic provider's inputs come back from
-    Pulumi's wire format with every number a float (pulumi/pulumi#13830): 3 arrives as 3.0."""
-    return str(int(number))
-
-
 # What a run is: change any of these and the jobs run again. How to reach the head and how
 # long to wait are not in it.
-DEFINING_KEYS = ("stack", "cluster", "image", "code", "settings")
+DEFINING_KEYS = ("stack", "cluster", "image", "code", "settings", "collectives_workers")
 
 
 def base_id(props: dict, job: str) -> str:
     """Stable per stack, job and everything that defines the job; attempts add a suffix."""
-    defining = {k: props[k] for k in DEFINING_KEYS} | {"job": job}
+    defining = {k: props.get(k) for k in DEFINING_KEYS} | {"job": job}
     digest = hashlib.sha256(json.dumps(defining, sort_keys=True).encode()).hexdigest()[:16]
     return f"{props['stack']}-{job}-{digest}"
 
@@ -292,7 +243,7 @@ def run_pipeline(
     tokens = tokens or (GoogleTokens() if props["target"]["kind"] == "gke" else None)
     client = connect(props["target"], tokens, policy, log)
     scaler = slice_scaler(props, tokens, policy, log)
-    specs = job_specs(props["settings"], props["max_failures"])
+    specs = job_specs(props["settings"], props["max_failures"], props.get("collectives_workers"))
     if scaler:
         specs = [preflight(specs[-1]), *specs]
     results, ids, slice_hours, started = {}, {}, 0.0, time.monotonic()
@@ -355,7 +306,7 @@ def run_job(client, props: dict, spec: JobSpec, policy: RetryPolicy, needs_slice
     try:
         return wait(client, spec, submission_id, props["timeout_s"], props["poll_s"], log), submission_id
     except JobFailed as err:
-        if PROBE_FAILED in str(err) and props.get("identity"):
+        if storage.PROBE_FAILED in str(err) and props.get("identity"):
             raise JobFailed(f"{err}\n{identity_hint(props['identity'])}") from None
         raise
     except KeyboardInterrupt:

@@ -1,0 +1,87 @@
+"""The fine-tune's settings as the stack will send them, read from the stack's config by the job's own
+declarations (jobs/settings.py): each setting a stack key exposes, by its declared type; a recipe setting left
+unset from the recipe; the placement and the storage from the stack's own keys. Then the job's own checks
+(settings.problems), said in the stack's words: what the job would refuse, the stack refuses at preview,
+naming the key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+from infra import ROOT
+from infra.config_reader import Reader, key
+from infra.dataset import dataset_ref
+from infra.job_modules import settings
+from infra.tpu import TpuSlice
+
+CHECKPOINT_PREFIX = "ray_train_torchtpu"  # the walkthrough's prefix in the bucket
+# The stack's keys behind the settings it derives rather than exposes.
+DERIVED_KEYS = {"topology": "tpuTopology", "accelerator_type": "tpuGeneration", "num_workers": "finetuneWorkers",
+                "backend": "mode", "storage_path": "bucketName"}  # fmt: skip
+
+
+def key_of(name: str) -> str:
+    """The stack key a setting's value comes from."""
+    return key(settings.stack_keys().get(name) or DERIVED_KEYS.get(name, name))
+
+
+def _cast(kind: type):
+    if kind is bool:
+        return lambda text: {"true": True, "false": False}[text.lower()]
+    return kind
+
+
+def read(r: Reader, name: str):
+    """A setting's value from its key: the given one (or the CLI's default); None when the key declares no
+    default and is not set (the recipe's, or the setting's own default, then)."""
+    stack_key = settings.stack_keys()[name]
+    if "default" not in r.decl[stack_key] and r.given(stack_key) is None:
+        return None
+    text, kind = r.value(stack_key), settings.value_type(name)
+    if text == "" and kind is str and settings.SETTINGS[name].default is None:
+        return None  # an empty string: no value (datasetConfig, datasetColumns)
+    what = {int: "an integer", float: "a number", bool: "true or false", str: "text"}[kind]
+    try:
+        return _cast(kind)(text)
+    except (ValueError, KeyError):
+        r.problem(f"{key(stack_key)}: {text!r} is not {what}")
+        return settings.SETTINGS[name].default
+
+
+def job_settings(r: Reader, *, local: bool, tpu_slice: TpuSlice | None, bucket: str, dataset_file: str,
+                 local_storage: str, workers: int) -> settings.FinetuneSettings:  # fmt: skip
+    """The settings the fine-tune gets (its run name is the job resource's to give), checked by the job's rules."""
+    values = {name: read(r, name) for name in settings.stack_keys()}
+    values = settings.with_recipe(values, values["recipe"] if values["recipe"] in settings.RECIPES else "default")
+    values = {n: v for n, v in values.items() if v is not None}
+    if local:
+        placement = {"backend": "cpu", "num_workers": workers, "storage_path": local_storage}
+    else:
+        placement = {"backend": "tpu", "storage_path": f"gs://{bucket}/{CHECKPOINT_PREFIX}"}
+        if tpu_slice is not None:
+            placement |= {"topology": tpu_slice.topology,
+                          "accelerator_type": tpu_slice.generation.ray_accelerator_type}  # fmt: skip
+    job = settings.FinetuneSettings(**values | placement)
+    dataset = dataset_ref(job.dataset, dataset_file, None if local else bucket) if dataset_file else job.dataset
+    job = replace(job, dataset=dataset)
+    if local:  # the local stack names files of this checkout; the jobs run elsewhere, so make them absolute
+        job = replace(job, model=local_path(job.model), dataset=local_path(job.dataset))
+    for problem in settings.problems(job):
+        r.problem(f"{key_of(problem.name)}: {_as_given(r, problem)!r} {problem.render(key_of)}")
+    return job
+
+
+def _as_given(r: Reader, problem: settings.Problem):
+    """The refused value as the user wrote it where parsing changed it past recognition (1e309 reads as inf)."""
+    stack_key = settings.stack_keys().get(problem.name)
+    if isinstance(problem.value, float) and not math.isfinite(problem.value) and stack_key:
+        return r.value(stack_key)
+    return problem.value
+
+
+def local_path(ref: str) -> str:
+    path = ROOT / ref
+    return str(path) if not Path(ref).is_absolute() and (ref.startswith(".") or path.exists()) else ref

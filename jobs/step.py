@@ -1,0 +1,185 @@
+"""One optimizer step, and what it is made of: this rank's data, its micro-batches, the step itself, and the
+held-out eval.
+
+They take a model whose forward returns the sum of its token losses (model.TokenLoss) and a
+torch.distributed process group; no Ray, so the tests run them in one process (or two, for the
+collectives). The run around them (its state, progress, evals, checkpoints, stops) is jobs/training_run.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from dataclasses import dataclass, replace
+from functools import cache
+
+from recipe import IGNORE, clip_grad_norm, predicted_tokens
+from sft_data import model_inputs
+
+
+def steps_per_epoch(batches_per_rank: int, grad_accum: int) -> int:
+    return batches_per_rank // grad_accum
+
+
+class TrainingData:
+    """This rank's loader over the training rows (sharded, shuffled by seed and epoch), the eval rows,
+    and the steps an epoch takes, read from the prepared data (jobs/prepare.py) at `prepared`; without
+    one (a test in one process), the data is prepared here first, into this machine's temp dir."""
+
+    def __init__(self, settings, tokenizer, rank: int, world: int, prepared: str | None = None):
+        import torch
+        from prepared import PreparedRows, local_directory
+
+        if prepared is None:
+            import fcntl
+
+            from prepare import prepare
+
+            scratch = os.path.join(tempfile.gettempdir(), "gemma-tpu-scratch")
+            os.makedirs(scratch, exist_ok=True)
+            with open(os.path.join(scratch, ".lock"), "w") as lock:  # ranks in processes of one machine: one prepares
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                prepared = prepare(replace(settings, storage_path=scratch), tokenizer).uri
+        directory = local_directory(prepared)
+        left = not settings.packing and getattr(tokenizer, "padding_side", "right") == "left"
+        shape = (settings.seq_len, tokenizer.pad_token_id, settings.packing, left)
+        rows = PreparedRows(directory, "train", *shape)
+        self.sampler = resumable_sampler()(rows, num_replicas=world, rank=rank, shuffle=True, seed=settings.seed,
+                                           drop_last=True)  # fmt: skip
+        self.loader = torch.utils.data.DataLoader(rows, batch_size=settings.batch_size, sampler=self.sampler,
+                                                  drop_last=True)  # fmt: skip
+        self.rows_per_step = settings.batch_size * settings.grad_accum
+        self.steps = steps_per_epoch(len(self.loader), settings.grad_accum)
+        has_eval = os.path.exists(os.path.join(directory, "eval", "rows.npy"))
+        self.eval = PreparedRows(directory, "eval", *shape) if has_eval else None
+
+    def start(self, epoch: int, step_in_epoch: int) -> None:
+        """The loader from `step_in_epoch` of `epoch`: the order is a function of (seed, epoch), so a run
+        that goes on mid-epoch sees the very rows an unbroken one would."""
+        self.sampler.set_epoch(epoch)
+        self.sampler.skip = step_in_epoch * self.rows_per_step
+
+
+@cache
+def resumable_sampler() -> type:
+    """(A class made on first use: torch is imported where the loop runs, not where this module is.)"""
+    import torch
+
+    class ResumableSampler(torch.utils.data.DistributedSampler):
+        """A DistributedSampler that can start past the first `skip` indices of its epoch's order."""
+
+        skip = 0
+
+        def __iter__(self):
+            return iter(list(super().__iter__())[self.skip :])
+
+        def __len__(self) -> int:
+            return self.num_samples - self.skip
+
+    return ResumableSampler
+
+
+def micro_batch_groups(loader, grad_accum: int):
+    """The loader's batches, grad_accum at a time; a last incomplete group is dropped (as drop_last)."""
+    group = []
+    for batch in loader:
+        group.append(batch)
+        if len(group) == grad_accum:
+            yield group
+            group = []
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step leaves: this rank's summed token loss (a device tensor), its own predicted and
+    real tokens (counted on the host from the CPU batch), the gradient norm, the learning rate, and the step's
+    all-reduced counts over the global batch, [predicted, real, stop requests, preemption notices] (device)."""
+
+    loss_sum: object
+    predicted: int
+    real: int
+    grad_norm: object
+    lr: float
+    counts: object
+
+    @property
+    def stop(self) -> str | None:
+        """ "preempted" when a rank had Ray Train's notice, "sigterm" when one was sent SIGTERM, else None."""
+        _, _, stops, notices = self.counts.tolist()
+        return "preempted" if notices else "sigterm" if stops else None
+
+
+def train_step(model, optimizer, micro_batches: list, lr: float, max_grad_norm: float, packing: bool, device,
+               stop: bool = False, preempted: bool = False) -> StepResult:  # fmt: skip
+    """One optimizer step over one global batch (this rank's micro-batches, and every other rank's).
+
+    The loss is the sum of every predicted token's loss over the global batch divided by their
+    global count, which one all-reduce gives before any backward pass; FSDP sums the gradients
+    over ranks (model.apply_fsdp), so nothing divides twice. The same all-reduce carries this rank's
+    request to stop (`stop`: SIGTERM) and its preemption notice (`preempted`), from stopping.py.
+    """
+    import torch
+    import torch.distributed as dist
+
+    predicted = sum(int(predicted_tokens(b[2])) for b in micro_batches)
+    real = sum(int(b[1].sum()) for b in micro_batches)
+    counts = torch.tensor([predicted, real, float(stop), float(preempted)], dtype=torch.float32, device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    for batch in micro_batches:
+        summed = model(**model_inputs(batch, packing, device))
+        (summed / counts[0].clamp(min=1)).backward()
+        loss_sum += summed.detach().float()
+    trainable = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = clip_grad_norm(trainable, max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_sum, predicted, real, grad_norm, lr, counts)
+
+
+def global_sum(*values: float, device=None) -> list[float]:
+    """Sums over ranks (gloo has no AVG: sum, then divide where a mean is wanted)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64 if device is None or device.type == "cpu" else torch.float32)
+    t = t.to(device) if device is not None else t
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def eval_rows(dataset, rank: int, world: int):
+    """This rank's share of the eval rows, padded with empty rows (nothing to predict) so that every
+    rank runs the same number of forward passes: FSDP's all-gathers need every rank in each one."""
+    import torch
+
+    mine = range(rank, len(dataset), world)
+    missing = math.ceil(len(dataset) / world) - len(mine)
+    first = dataset[0][0]
+    blank = [torch.zeros((missing, len(first)), dtype=torch.long) for _ in range(4)]
+    blank[0] += first[0]  # a real token id: the filler is never predicted
+    blank[2] += IGNORE
+    blank[3] += torch.arange(len(first))
+    return torch.utils.data.ConcatDataset(
+        [torch.utils.data.Subset(dataset, list(mine)), torch.utils.data.TensorDataset(*blank)]
+    )
+
+
+def evaluate(model, dataset, batch_size: int, packing: bool, rank: int, world: int, device) -> dict:
+    """The loss over every predicted token of the eval rows (token-weighted, all ranks); no gradients."""
+    import torch
+
+    loader = torch.utils.data.DataLoader(eval_rows(dataset, rank, world), batch_size=batch_size)
+    loss_sum = predicted = 0.0
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for batch in loader:
+            loss_sum += float(model(**model_inputs(batch, packing, device)))
+            predicted += int(predicted_tokens(batch[2]))
+    model.train(was_training)
+    total, count = global_sum(loss_sum, predicted, device=device)
+    return {"eval_loss": total / count if count else None, "eval_tokens": count}
