@@ -51,7 +51,8 @@ def print_outputs(outputs: dict) -> None:
     print(f"  lossCurve:   {outputs['loss_curve']}  (metrics.jsonl beside it)")
     print(f"  samples:     {outputs.get('samples')}")
     for sample in run_files.last_samples(outputs.get("samples")):
-        print(f"    step {sample['step']}: {sample['prompt'][-60:]!r} -> {sample['completion'][:100]!r}")
+        prompt = run_files.one_line(sample["prompt"], 60, tail=True)
+        print(f"    step {sample['step']}: {prompt} -> {run_files.one_line(sample['completion'], 100)}")
     print(f"  collectives: ok={collectives['ok']} world_size={collectives['world_size']} "
           f"max_abs_diff={collectives['max_abs_diff']:.2e}")  # fmt: skip
     print(f"  jobIds:      {json.dumps(outputs['job_ids'])}")

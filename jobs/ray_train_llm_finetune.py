@@ -82,6 +82,7 @@ from run_files import (
     SAMPLES_FILE,
     TENSORBOARD_DIR,
     last_samples,
+    one_line,
     run_dir,
     sample_log,
     tensorboard,
@@ -373,8 +374,8 @@ def outputs(settings: FinetuneSettings, run_name: str, result, report: dict) -> 
         loadable = uri(settings.storage_path, final.path) if final else None
     samples_file = f"{run_dir(settings.storage_path, run_name)}/{SAMPLES_FILE}"
     samples = last_samples(samples_file)
-    for sample in samples:
-        print(f"sample at step {sample['step']}: {sample['prompt'][-200:]!r}\n  -> {sample['completion']!r}")
+    for s in samples:
+        print(f"sample at step {s['step']}: {one_line(s['prompt'], 80, tail=True)} -> {one_line(s['completion'], 160)}")
     return {
         "run_name": run_name,
         "checkpoint": loadable,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -331,10 +332,13 @@ def problems(s: FinetuneSettings) -> list[Problem]:
 def placement_problems(s: FinetuneSettings) -> list[Problem]:
     """The workers and slices: on TPU the slices decide the workers (a given --num-workers must agree); elsewhere
     --num-workers does, and --num-slices divides it."""
+    if not is_topology(s.topology):  # whatever the backend: a typo is refused, not silently ignored
+        return [Problem("topology", s.topology, "is not a topology such as 4x4 or 2x2x2")]
     if s.backend == "tpu":
         generation = by_accelerator_type(s.accelerator_type)
-        if not is_topology(s.topology):
-            return [Problem("topology", s.topology, "is not a topology such as 4x4 or 2x2x2")]
+        if s.topology not in generation.topologies:  # Ray Train would retry its placement forever
+            return [Problem("topology", s.topology, f"is not a {generation.name} multi-host topology; allowed for "
+                            f"{{accelerator_type}} {s.accelerator_type}: {', '.join(generation.topologies)}")]  # fmt: skip
         per_slice = chips_of(s.topology) * generation.devices_per_chip
         devices = per_slice * s.num_slices
         if s.num_workers is not None and s.num_workers != devices:
@@ -354,21 +358,33 @@ def placement_problems(s: FinetuneSettings) -> list[Problem]:
     return []
 
 
+def ignored(s: FinetuneSettings) -> list[str]:
+    """The TPU placement settings given other values than their defaults where the backend is not tpu: the run
+    ignores them (the caller says so)."""
+    if s.backend == "tpu":
+        return []
+    return [name for name in ("topology", "accelerator_type") if getattr(s, name) != SETTINGS[name].default]
+
+
 def placement(args: argparse.Namespace) -> FinetuneSettings:
     """The placement settings of `args` (the collectives check's), checked as the fine-tune's are."""
     s = FinetuneSettings(**{name: getattr(args, name) for name in PLACEMENT})
     found = [Problem(n, v, m) for n in PLACEMENT if (m := _declared_problem(n, v := getattr(s, n)))]
-    found = found or placement_problems(s)
-    if found:
-        raise JobInputError("; ".join(p.for_job() for p in found))
-    return s
+    return _checked(s, found or placement_problems(s))
 
 
 def check(s: FinetuneSettings) -> FinetuneSettings:
-    """`s`, or JobInputError naming every refused value with its flag."""
-    found = problems(s)
+    """`s`, or JobInputError naming every refused value with its flag; a flag the backend ignores is named on
+    stderr."""
+    return _checked(s, problems(s))
+
+
+def _checked(s: FinetuneSettings, found: list[Problem]) -> FinetuneSettings:
     if found:
         raise JobInputError("; ".join(p.for_job() for p in found))
+    if names := ignored(s):
+        given = ", ".join(f"{flag(n)} {getattr(s, n)}" for n in names)
+        print(f"warning: {given}: ignored with --backend {s.backend} (TPU only)", file=sys.stderr)
     return s
 
 

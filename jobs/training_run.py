@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 import stopping
 from backend import worker_print
 from checkpoints import epoch_dir_name, step_dir_name
+from run_files import one_line
 from step import evaluate, micro_batch_groups, train_step
 
 
@@ -158,7 +159,7 @@ class Progress:
         if held_out.get("eval_loss") is not None:
             worker_print(f"eval at step {step}: loss {held_out['eval_loss']:.4f}")
         for i, sample in enumerate(samples):
-            worker_print(f"  sample {i}: {sample['completion'][:160]!r}")
+            worker_print(f"  sample {i}: {one_line(sample['completion'], 160)}")
         if self.board is not None:
             if held_out.get("eval_loss") is not None:
                 self.board.add_scalar("eval/loss", held_out["eval_loss"], step)

@@ -243,6 +243,16 @@ BAD_INPUTS = {
         ["--backend", "tpu", "--topology", "4x4", "--num-slices", "2", "--num-workers", "16"],
         "--num-workers 16 does not match --num-slices 2 x --topology 4x4 on TPU-V6E (16 devices a slice, 32 in all)",
     ),
+    # Ray Train would retry reserving a slice of a shape its TPU lacks ~180 times a second, forever.
+    "a topology the TPU does not offer": (
+        ["--backend", "tpu", "--topology", "3x3"],
+        "--topology '3x3' is not a v6e multi-host topology; allowed for --accelerator-type TPU-V6E: 4x4, 4x8,",
+    ),
+    "an Ironwood shape on Trillium": (["--backend", "tpu", "--topology", "2x2x2"], "allowed for --accelerator-type"),
+    "a topology typo off TPU": (
+        ["--backend", "cpu", "--num-workers", "2", "--topology", "banana"],
+        "--topology 'banana' is not a topology such as 4x4 or 2x2x2",
+    ),
 }
 
 

@@ -120,3 +120,11 @@ def test_the_exported_model_stops_generating_at_the_end_of_its_turn(tiny_assets,
     )  # fmt: skip
     out = exported.generate(**prompt, max_new_tokens=20, do_sample=False)[0, prompt["input_ids"].shape[1] :]
     assert exported_tokenizer.convert_ids_to_tokens(out) == ["bees", "are", "warm", "and", "early", ".", "<turn|>"]
+
+
+def test_a_log_line_holds_one_line_and_marks_what_it_cut():
+    from run_files import one_line
+
+    assert one_line("short\nanswer", 20) == "short answer"
+    assert one_line("word " * 50, 20) == "word word word word…" and len(one_line("word " * 50, 20)) == 20
+    assert one_line("… the question. <start_of_turn>model\n", 12, tail=True) == "…_turn>model"

@@ -177,3 +177,15 @@ def test_the_learning_rates_default_is_written_once():
     found = [str(p.relative_to(ROOT)) for p in code if re.search(r"\b2e-0?5\b", p.read_text(errors="replace"))]
     assert found == ["jobs/settings.py"]
     assert yaml.safe_load(PULUMI_YAML.read_text())["config"]["learningRate"]["default"] == "2e-05"
+
+
+def test_the_job_checks_every_number_and_names_tpu_flags_its_backend_ignores(capsys):
+    from outcome import JobInputError
+    from settings import check
+
+    with pytest.raises(JobInputError, match="--lr -0.001 must be greater than 0"):
+        check(from_args(parse_args(["--lr=-1e-3", "--backend", "cpu", "--num-workers", "2"])))
+    check(from_args(parse_args(["--backend", "cpu", "--num-workers", "2", "--topology", "2x2x2"])))
+    assert capsys.readouterr().err == "warning: --topology 2x2x2: ignored with --backend cpu (TPU only)\n"
+    check(from_args(parse_args(["--backend", "cpu", "--num-workers", "2"])))
+    assert capsys.readouterr().err == ""

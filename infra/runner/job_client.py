@@ -155,8 +155,8 @@ class LogFollower:
         path = f"/api/v0/logs/file?node_id={driver_node_id}&submission_id={self.submission_id}&lines={self.lines}"
         try:
             response = self.client._do_request("GET", path, budget_s=LOG_TAIL_BUDGET_S)
-            if response.status_code == 200:
-                return log_lines(response.text)
+            if response.status_code == 200:  # the bytes are UTF-8; requests' .text would guess ISO-8859-1 for text/*
+                return log_lines(response.content.decode("utf-8", errors="replace"))
         except Unreachable:
             pass
         # a head without this API, or one failing at it: the whole log, cut here
