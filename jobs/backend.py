@@ -10,7 +10,10 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass
+
+from outcome import JobInputError
 
 DTYPES = ("bfloat16", "float32")
 
@@ -122,8 +125,12 @@ def live_cluster_address(timeout_s: float = 3.0) -> str | None:
         return None
 
 
-def connect_ray(cpus_wanted: int) -> None:
-    """Join the Ray cluster this runs in (ray job submit, a live local head); else start one big enough."""
+PLACEMENT_WAIT_S = 300.0  # how long a joined cluster may take to hold the workers (nodes still registering)
+
+
+def connect_ray(cpus_wanted: int, workers_on: str | None = None) -> None:
+    """Join the Ray cluster this runs in (ray job submit, a live local head); else start one big enough. With
+    `workers_on` (a backend), then wait until the cluster can hold that many workers of it (await_workers)."""
     import ray
 
     if ray.is_initialized():
@@ -131,6 +138,8 @@ def connect_ray(cpus_wanted: int) -> None:
     address = live_cluster_address()
     if address:
         ray.init(address=address)
+        if workers_on:
+            await_workers(workers_on, cpus_wanted, PLACEMENT_WAIT_S)
         return
     # A private single-machine Ray: keep it, and the process groups, on loopback.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -141,6 +150,39 @@ def connect_ray(cpus_wanted: int) -> None:
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
     )
+    if workers_on:
+        await_workers(workers_on, cpus_wanted, 0.0)  # this Ray is all there will be
+
+
+def worker_resources(backend: str) -> dict[str, float]:
+    """What one Ray Train worker of `backend` asks for (the fine-tune's ScalingConfig)."""
+    return {"tpu": {"TPU": 1.0}, "cuda": {"CPU": 1.0, "GPU": 1.0}, "cpu": {"CPU": 1.0}}[backend]
+
+
+def await_workers(backend: str, workers: int, wait_s: float) -> None:
+    """Return once the Ray cluster holds `workers` workers of `backend`, or raise JobInputError naming what is
+    missing. Ray Train itself would retry placing them forever (FailureConfig.controller_failure_limit is -1:
+    ray/train/v2/api/config.py), a minute at a time, or ~180 times a second for a slice it cannot reserve."""
+    import ray
+
+    needed = {k: v * workers for k, v in worker_resources(backend).items()}
+    deadline, said = time.monotonic() + wait_s, 0.0
+    while True:
+        have = ray.cluster_resources()
+        if all(have.get(k, 0.0) >= v for k, v in needed.items()):
+            return
+        held = ", ".join(f"{k} {have.get(k, 0.0):g}" for k in needed)
+        if time.monotonic() >= deadline:
+            waited = f" after {wait_s:.0f} s" if wait_s else ""
+            raise JobInputError(
+                f"--backend {backend} needs {', '.join(f'{k} {v:g}' for k, v in needed.items())} for {workers} "
+                f"workers; this Ray cluster has {held}{waited}. On TPU, submit the job to the RayCluster with its "
+                "slice up; on this machine, use --backend cpu --num-workers N"
+            )
+        if time.monotonic() - said >= 30:
+            print(f"waiting for the Ray cluster to hold {workers} {backend} workers (it has {held})", flush=True)
+            said = time.monotonic()
+        time.sleep(2)
 
 
 def worker_print(message: str) -> None:

@@ -355,7 +355,7 @@ def run(settings: FinetuneSettings) -> dict:
         return {"run_name": run_name, "data_report": report, "data_report_file": report_file}
     import ray
 
-    connect_ray(count)
+    connect_ray(count, workers_on=settings.backend)  # fails, naming what is missing, if it can never place them
     held_out = bool((report.get("eval") or {}).get("records_used"))
     result = trainer(settings, count, run_name, prepared.uri, held_out).fit()
     ray.shutdown()  # prints the workers' last log lines now (Ray holds repeated ones back), not after the result

@@ -453,3 +453,72 @@ def test_a_stopped_head_forgets_its_address_but_not_anothers(stale_ray_tmpdir, m
     address_file().write_text(head.address)
     head.forget_address()
     assert not address_file().exists()
+
+
+def by_hand_run(tiny_assets, tmp_path, extra: list[str]) -> tuple[subprocess.Popen, Path]:
+    """The fine-tune started by hand on tiny assets with no cluster to join (its own Ray, in a temp dir of its
+    own, so that what it leaves behind can be looked for), in a session of its own as a terminal gives it."""
+    import os
+    import tempfile
+
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rh", dir="/tmp"))  # short: Ray's socket paths live below it
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(ray_tmp)}
+    argv = [sys.executable, str(JOBS / "ray_train_llm_finetune.py"), "--model", tiny_assets["model"], "--dataset",
+            tiny_assets["dataset"], "--split", "train[:80]", "--seq-len", "128", "--storage-path", str(tmp_path), *extra]  # fmt: skip
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)  # fmt: skip
+    return process, ray_tmp
+
+
+def processes_under(ray_tmp: Path) -> str:
+    return subprocess.run(["pgrep", "-af", str(ray_tmp)], capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def ended():
+    """Ends what a by-hand run left, whatever the test found: its process group, then every process of its Ray."""
+    import os
+    import signal
+
+    runs = []
+    yield runs.append
+    for process, ray_tmp in runs:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        subprocess.run(["pkill", "-9", "-f", str(ray_tmp)], capture_output=True)
+
+
+@pytest.mark.e2e
+def test_a_run_its_ray_cannot_place_fails_once_naming_what_is_missing(tiny_assets, tmp_path, ended):
+    """The TPU backend (the default) on a machine without TPUs: refused once, not retried by Ray Train forever."""
+    import time
+
+    started = time.monotonic()
+    process, ray_tmp = by_hand_run(tiny_assets, tmp_path, ["--batch-size", "1"])
+    ended((process, ray_tmp))
+    out, _ = process.communicate(timeout=120)
+    assert process.returncode == 2 and time.monotonic() - started < 60, out[-3000:]
+    assert "error: --backend tpu needs TPU 16 for 16 workers; this Ray cluster has TPU 0" in out
+    assert "Traceback" not in out
+    time.sleep(2)
+    assert processes_under(ray_tmp) == ""
+
+
+@pytest.mark.e2e
+def test_ctrl_c_ends_a_by_hand_run_in_seconds_and_leaves_no_ray_behind(tiny_assets, tmp_path, ended):
+    import os
+    import signal
+    import time
+
+    process, ray_tmp = by_hand_run(tiny_assets, tmp_path, ["--backend", "cpu", "--num-workers", "2", "--epochs", "50",
+                                                            "--log-every", "1"])  # fmt: skip
+    ended((process, ray_tmp))
+    for line in process.stdout:
+        if "step 2/" in line:
+            break
+    interrupted = time.monotonic()
+    os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches its whole foreground group
+    process.communicate(timeout=60)
+    assert time.monotonic() - interrupted < 30
+    time.sleep(3)
+    assert processes_under(ray_tmp) == ""

@@ -80,7 +80,8 @@ def test_a_drained_node_saves_the_step_and_ray_train_moves_the_run_off_it(draine
     # charged to the preemptions (unlimited), not to maxFailures, which is 0 here
     assert "Source: preemption" in logs and "Training was interrupted by node preemption" in logs
     saved = int(re.search(r"preemption notice: step (\d+) saved", logs)[1])
-    resumed = int(re.search(r"resuming from \S+checkpoint_step_(\d+) after step", logs)[1])
+    # (named by its step, or by its epoch when the notice came at an epoch's last step)
+    resumed = int(re.search(r"resuming from \S+checkpoint_(?:step|epoch)_\d+ after step (\d+)", logs)[1])
     assert resumed == saved
     first = re.search(r"\(RayTrainWorker pid=(\d+)\)[^\n]*step 1/", logs)[1]
     trained_before = [int(s) for s in re.findall(rf"\(RayTrainWorker pid={first}\)[^\n]*step (\d+)/\d+ \(", logs)]
