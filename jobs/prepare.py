@@ -199,9 +199,15 @@ def run_chunks(chunks: list[Chunk], sources: dict[str, SourceFiles], settings, t
 
 
 def source_files(source: Source, renames: dict[str, str]) -> SourceFiles:
+    """The source as the preparation's tasks read it; a --columns entry naming a column the data lacks is refused
+    (dropped silently, its typo would surface later as a record format not found)."""
+    columns = source.data.column_names
+    if absent := [(old, new) for old, new in renames.items() if old not in columns]:
+        named = ", ".join(f"{new}={old}" for old, new in absent)
+        raise JobInputError(f"--columns {named}: {source.ref} has no column {absent[0][0]!r}; its columns: "
+                            f"{', '.join(columns)}")  # fmt: skip
     cache = tuple(f["filename"] for f in source.data.cache_files)
-    kept = tuple((old, new) for old, new in renames.items() if old in source.data.column_names)
-    return SourceFiles(source.ref, cache, tuple(source.files), kept)
+    return SourceFiles(source.ref, cache, tuple(source.files), tuple(renames.items()))
 
 
 def plan_chunks(split: str, ranges: list[tuple[str, int, int]], size: int) -> list[Chunk]:

@@ -284,6 +284,10 @@ def test_finetune_bad_inputs_fail_fast(tiny_assets, tmp_path, capsys):
     read_only.write_text("x")
     cases = [
         (["--dataset", str(no_columns)], "no known record format in columns question, answer"),
+        (
+            ["--dataset", str(no_columns), "--columns", "prompt=questoin,completion=answer"],
+            f"--columns prompt=questoin: {no_columns} has no column 'questoin'; its columns: question, answer",
+        ),
         (["--dataset", tiny_assets["dataset"], "--model", str(tmp_path / "nope")], "does not exist"),
         (["--dataset", tiny_assets["dataset"], "--storage-path", str(read_only / "sub")], "cannot be written"),
         (["--dataset", str(tmp_path / "missing.jsonl")], "does not exist"),
