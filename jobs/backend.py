@@ -154,9 +154,13 @@ def connect_ray(cpus_wanted: int, workers_on: str | None = None) -> None:
         await_workers(workers_on, cpus_wanted, 0.0)  # this Ray is all there will be
 
 
+# What the fine-tune's ScalingConfig asks for each Ray Train worker (use_gpu adds a GPU on cuda).
+RESOURCES_PER_WORKER = {"tpu": {"TPU": 1}, "cuda": {"CPU": 1}, "cpu": {"CPU": 1}}
+
+
 def worker_resources(backend: str) -> dict[str, float]:
-    """What one Ray Train worker of `backend` asks for (the fine-tune's ScalingConfig)."""
-    return {"tpu": {"TPU": 1.0}, "cuda": {"CPU": 1.0, "GPU": 1.0}, "cpu": {"CPU": 1.0}}[backend]
+    """What one Ray Train worker of `backend` takes from the cluster."""
+    return RESOURCES_PER_WORKER[backend] | ({"GPU": 1} if backend == "cuda" else {})
 
 
 def await_workers(backend: str, workers: int, wait_s: float) -> None:

@@ -57,7 +57,7 @@ import time
 from typing import TYPE_CHECKING
 
 import stopping
-from backend import connect_ray, get_backend, worker_print
+from backend import RESOURCES_PER_WORKER, connect_ray, get_backend, worker_print
 from checkpoints import (
     EXPORT_DIR,
     ShardedCheckpointer,
@@ -294,15 +294,11 @@ def save_full(trainee: Trainee, metrics: dict, state: dict) -> None:
 def scaling_config(settings: FinetuneSettings, workers: int):
     from ray.train import ScalingConfig
 
+    per_worker = RESOURCES_PER_WORKER[settings.backend]  # (what backend.await_workers checks the cluster for)
     if settings.backend == "tpu":
-        return ScalingConfig(
-            num_workers=workers,
-            use_tpu=True,
-            topology=settings.topology,
-            accelerator_type=settings.accelerator_type,
-            resources_per_worker={"TPU": 1},
-        )
-    return ScalingConfig(num_workers=workers, use_gpu=settings.backend == "cuda", resources_per_worker={"CPU": 1})
+        return ScalingConfig(num_workers=workers, use_tpu=True, topology=settings.topology,
+                             accelerator_type=settings.accelerator_type, resources_per_worker=per_worker)  # fmt: skip
+    return ScalingConfig(num_workers=workers, use_gpu=settings.backend == "cuda", resources_per_worker=per_worker)
 
 
 def trainer(settings: FinetuneSettings, workers: int, run_name: str, data: str, held_out: bool):
