@@ -7,6 +7,7 @@ gs:// URI in the job's arguments (a new run), and an unchanged one changes nothi
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,22 @@ def object_name(path: str) -> str:
     file = Path(path)
     digest = hashlib.sha256(file.read_bytes()).hexdigest()[:16]
     return f"{DATASETS_PREFIX}/{file.stem}-{digest}{file.suffix}"
+
+
+def records_in(path: str) -> int | None:
+    """How many records a JSON Lines file (its non-blank lines) or a JSON array holds, for the estimate at
+    preview; None for other formats (csv rows can span lines; parquet would need its reader)."""
+    file = Path(path)
+    if file.suffix == ".jsonl":
+        with file.open("rb") as f:
+            return sum(1 for line in f if line.strip())
+    if file.suffix == ".json":
+        try:
+            records = json.loads(file.read_text())
+        except (ValueError, UnicodeDecodeError):
+            return None  # the job names what is wrong with it
+        return len(records) if isinstance(records, list) else None
+    return None
 
 
 def dataset_ref(dataset: str, dataset_file: str, bucket_name: str | None) -> str:

@@ -8,7 +8,6 @@ naming the key.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from pathlib import Path
 
 from infra import ROOT
@@ -41,8 +40,9 @@ def read(r: Reader, name: str):
     if "default" not in r.decl[stack_key] and r.given(stack_key) is None:
         return None
     text, kind = r.value(stack_key), settings.value_type(name)
-    if text == "" and kind is str and settings.SETTINGS[name].default is None:
-        return None  # an empty string: no value (datasetConfig, datasetColumns)
+    optional = settings.SETTINGS[name].default is None and settings.declared(settings.SETTINGS[name]).stack_default
+    if text == "" and kind is str and optional:
+        return None  # an empty string: no value (datasetConfig, datasetColumns; not datasetSplit, derived when unset)
     what = {int: "an integer", float: "a number", bool: "true or false", str: "text"}[kind]
     try:
         return _cast(kind)(text)
@@ -64,11 +64,11 @@ def job_settings(r: Reader, *, local: bool, tpu_slice: TpuSlice | None, bucket: 
         if tpu_slice is not None:
             placement |= {"topology": tpu_slice.topology,
                           "accelerator_type": tpu_slice.generation.ray_accelerator_type}  # fmt: skip
-    job = settings.FinetuneSettings(**values | placement)
-    dataset = dataset_ref(job.dataset, dataset_file, None if local else bucket) if dataset_file else job.dataset
-    job = replace(job, dataset=dataset)
+    if dataset_file:
+        values["dataset"] = dataset_ref("", dataset_file, None if local else bucket)
     if local:  # the local stack names files of this checkout; the jobs run elsewhere, so make them absolute
-        job = replace(job, model=local_path(job.model), dataset=local_path(job.dataset))
+        values |= {n: local_path(values[n]) for n in ("model", "dataset") if n in values}
+    job = settings.FinetuneSettings(**values | placement)  # after the dataset: a file's default split is all of it
     for problem in settings.problems(job):
         r.problem(f"{key_of(problem.name)}: {_as_given(r, problem)!r} {problem.render(key_of)}")
     return job

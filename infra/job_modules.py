@@ -20,6 +20,7 @@ if str(JOBS_DIR) not in sys.path:
 
 import command_line  # noqa: E402
 import data_formats  # noqa: E402
+import log_lines  # noqa: E402
 import memory_plan  # noqa: E402
 import outcome  # noqa: E402
 import run_files  # noqa: E402
@@ -32,6 +33,7 @@ import tpu_generations  # noqa: E402
 __all__ = [
     "command_line",
     "data_formats",
+    "log_lines",
     "memory_plan",
     "outcome",
     "run_files",

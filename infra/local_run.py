@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from infra import PROJECT, ROOT, config
-from infra.job_modules import run_files, tiny_assets
+from infra.job_modules import log_lines, run_files, tiny_assets
 from infra.prices import cost_estimate, estimate_line
 from infra.runner.local_ray import LocalRayHead
 from infra.training import _TrainingJobsProvider, local_target, training_props
@@ -47,22 +47,17 @@ def print_outputs(outputs: dict) -> None:
     print("\nOutputs (as `pulumi stack output` shows them for the cloud stacks):")
     print(f"  checkpoint:  {outputs['checkpoint']}")
     print(f"  metrics:     {json.dumps(outputs['metrics'], sort_keys=True)}")
-    print("  losses:      " + "; ".join(epoch_losses(h) for h in outputs["history"]))
+    print("  losses:      " + "; ".join(log_lines.epoch_losses(h) for h in outputs["history"]))
     print(f"  lossCurve:   {outputs['loss_curve']}  (metrics.jsonl beside it)")
     print(f"  samples:     {outputs.get('samples')}")
     for sample in run_files.last_samples(outputs.get("samples")):
-        prompt = run_files.one_line(sample["prompt"], 60, tail=True)
-        print(f"    step {sample['step']}: {prompt} -> {run_files.one_line(sample['completion'], 100)}")
+        prompt = log_lines.one_line(sample["prompt"], 60)
+        print(f"    step {sample['step']}: {prompt} -> {log_lines.one_line(sample['completion'], 100)}")
     print(f"  collectives: ok={collectives['ok']} world_size={collectives['world_size']} "
           f"max_abs_diff={collectives['max_abs_diff']:.2e}")  # fmt: skip
     print(f"  jobIds:      {json.dumps(outputs['job_ids'])}")
     print(f"  sliceHours:  {outputs['slice_hours']}  (no TPU slice here; `pulumi preview -s v6e` prints the slice's "
           "costEstimate)")  # fmt: skip
-
-
-def epoch_losses(epoch: dict) -> str:
-    held_out = f", eval {epoch['eval_loss']:.4f}" if epoch.get("eval_loss") is not None else ""
-    return f"epoch {epoch['epoch']}: train {epoch['loss']:.4f}{held_out}"
 
 
 def main() -> None:

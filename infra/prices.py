@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from infra.dataset import records_in
 from infra.job_modules import data_formats, splits
 from infra.models import known_model
 
@@ -35,6 +36,37 @@ PRICES: dict[tuple[str, str], Price] = {
     # host, and no Spot or flex-start SKU was seen; a reservation bills at its own committed rate.
 }
 
+
+@dataclass(frozen=True)
+class Fee:
+    usd_per_hour: float
+    source: str
+    read: str
+
+
+# What bills from `pulumi up` until `pulumi destroy`, whether or not a run is going (besides the slice, which
+# scales to zero between runs by default).
+CLUSTER_FEE = Fee(0.10, "GKE pricing page: $0.10 per cluster-hour, Standard and Autopilot; a monthly credit "
+                  "covers one zonal or Autopilot cluster per billing account", "2026-12")  # fmt: skip
+VM_PRICING = "https://cloud.google.com/compute/vm-instance-pricing"
+
+
+def always_on(cfg: StackConfig) -> dict:
+    """The parts of the stack that bill by the hour until destroy: GKE's cluster fee (from the table) and the
+    Ray head's node or pod, whose Compute Engine price this table does not hold (no sourced figure)."""
+    head = (f"the Ray head's {cfg.head_machine_type} node: its Compute Engine price is not in this table "
+            f"({VM_PRICING})" if cfg.mode == "standard" else "the Ray head pod's CPU and memory (Autopilot bills "
+            "pods by their requests; https://cloud.google.com/kubernetes-engine/pricing)")  # fmt: skip
+    return {
+        "cluster_fee_usd_per_hour": CLUSTER_FEE.usd_per_hour,
+        "cluster_fee_source": CLUSTER_FEE.source,
+        "cluster_fee_read": CLUSTER_FEE.read,
+        "head": head,
+        "bucket": "the checkpoint bucket, per GB-month stored (kept until destroy; bucketForceDestroy)",
+        "note": "these bill from pulumi up until pulumi destroy, whether or not a run is going",
+    }
+
+
 # The walkthrough's published throughput (epochs 2-3, E2B, 4 rows x 512 tokens a device, padding
 # counted), on its slices of 16 devices: ../shared/SPEC.md.
 WALKTHROUGH_TOKENS_PER_S = {"v6e": 20_300.0, "tpu7x": 31_000.0}
@@ -53,17 +85,23 @@ def price_of(cfg: StackConfig) -> Price | None:
     return PRICES.get((cfg.slice.generation.name, cfg.capacity.kind))
 
 
-def training_records(split: str) -> int | None:
-    """Records a split names when its bounds are absolute (train[:1024], train[100:1124]); else unknown."""
-    bounds = splits.absolute_slice(split)
-    return int(bounds[2] - bounds[1]) if bounds and bounds[2] != math.inf else None
+def training_records(cfg: StackConfig) -> int | None:
+    """Records the split names when its bounds are absolute (train[:1024], train[100:1124]), or, for a datasetFile
+    this machine can count (jsonl, json), as many of its records as the split takes (all of them by default);
+    else unknown."""
+    bounds = splits.absolute_slice(cfg.job.split)
+    if bounds is None:
+        return None
+    total = records_in(cfg.dataset_file) if cfg.dataset_file else None
+    end = bounds[2] if total is None else min(bounds[2], total)
+    return int(max(0, end - bounds[1])) if end != math.inf else None
 
 
 def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
     """(low, high) minutes of training, from the walkthrough's throughput scaled by devices (of every slice:
     data-parallel scaling, which the gradient all-reduce between slices only approaches) and compute per
     token; None when the record count or the model's size is unknown before the run."""
-    records, model = training_records(cfg.job.split), known_model(cfg.job.model)
+    records, model = training_records(cfg), known_model(cfg.job.model)
     base = WALKTHROUGH_TOKENS_PER_S.get(cfg.slice.generation.name)
     if (records is None and not cfg.job.max_steps) or model is None or base is None:
         return None
@@ -86,7 +124,10 @@ def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
 def unknown_run(cfg: StackConfig) -> str:
     """Why the run's length is not known at preview."""
     unknown = []
-    if training_records(cfg.job.split) is None and not cfg.job.max_steps:
+    if training_records(cfg) is None and not cfg.job.max_steps and cfg.dataset_file:
+        unknown.append(f"the record count of datasetFile {cfg.dataset_file!r} (jsonl and json files are counted at "
+                       "preview; datasetSplit with absolute bounds, such as train[:1024], or maxSteps gives it)")  # fmt: skip
+    elif training_records(cfg) is None and not cfg.job.max_steps:
         unknown.append(f"the record count of datasetSplit {cfg.job.split!r} (absolute bounds, such as "
                        "train[:1024], give it; so does maxSteps)")  # fmt: skip
     if known_model(cfg.job.model) is None:
@@ -101,7 +142,7 @@ def cost_estimate(cfg: StackConfig) -> dict:
     price, chips = price_of(cfg), cfg.chips
     slices = f"{cfg.num_slices} x " if cfg.num_slices > 1 else ""
     out = {"estimate": True, "slice": f"{slices}{cfg.slice.generation.name} {cfg.slice.topology}",
-           "capacity": cfg.capacity.kind, "chips": chips, "slices": cfg.num_slices}  # fmt: skip
+           "capacity": cfg.capacity.kind, "chips": chips, "slices": cfg.num_slices, "always_on": always_on(cfg)}  # fmt: skip
     if price is None:
         return out | {"usd_per_hour": None, "note": f"no public price for {cfg.slice.generation.name} "
                       f"{cfg.capacity.kind}: set pricePerChipHour to yours"}  # fmt: skip
@@ -141,15 +182,24 @@ def cost_estimate(cfg: StackConfig) -> dict:
 def estimate_line(estimate: dict) -> str:
     """One line of a `costEstimate` output, for logs."""
     if estimate.get("usd_per_hour") is None:
-        return f"cost estimate: {estimate['note']}"
+        return f"cost estimate: {estimate['note']}{always_on_text(estimate)}"
     line = (f"cost estimate: {estimate['slice']} {estimate['capacity']}, ${estimate['usd_per_hour']:,.2f}/h "
             f"(${estimate['usd_per_chip_hour']:.2f} per chip-hour, read {estimate['price_read'] or 'from pricePerChipHour'})")  # fmt: skip
     if "usd" not in estimate:
-        return f"{line}; {estimate['run']}"
+        return f"{line}; {estimate['run']}{always_on_text(estimate)}"
     (low, high), (w_low, w_high) = estimate["usd"], estimate["walkthrough_usd"]
     return (
         f"{line}; the run: ${low:,.2f}-${high:,.2f} (the walkthrough's always-on slice: ${w_low:,.2f}-${w_high:,.2f})"
+        f"{always_on_text(estimate)}"
     )
+
+
+def always_on_text(estimate: dict) -> str:
+    parts = estimate.get("always_on")
+    if not parts:
+        return ""
+    return (f"; until destroy, also GKE's ${parts['cluster_fee_usd_per_hour']:.2f}/h cluster fee (one cluster's is "
+            "covered by a monthly credit) and the Ray head")  # fmt: skip
 
 
 def run_cost(slice_host_hours: float, run_hours: float, cfg: StackConfig) -> dict:

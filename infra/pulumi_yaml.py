@@ -59,7 +59,7 @@ def description(name: str) -> str:
     if declared.recipes:
         recipes = ", ".join(f"{r} {settings.shown(v)}" for r, v in declared.recipes.items())
         text = f"(recipe; {recipes}) {text}"
-    elif not declared.stack_default:
+    elif not declared.stack_default and field.default is not None:  # (None: the help says what decides it)
         text = f"(default {settings.shown(field.default)}) {text}"
     bounds = settings.bounds_text(name)
     return f"{text}{f'; {bounds}' if bounds else ''}. The job's {settings.flag(name)}."

@@ -125,6 +125,12 @@ def live_cluster_address(timeout_s: float = 3.0) -> str | None:
         return None
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 PLACEMENT_WAIT_S = 300.0  # how long a joined cluster may take to hold the workers (nodes still registering)
 
 
@@ -148,7 +154,13 @@ def connect_ray(cpus_wanted: int, workers_on: str | None = None) -> None:
         address="local",  # not None: that too would follow a stale address file
         num_cpus=max(cpus_wanted, os.cpu_count() or 1),
         _node_ip_address="127.0.0.1",
-        include_dashboard=False,
+        # Ray Train's PlacementGroupCleaner asks the State API, which the dashboard serves, whether the controller
+        # lives; without it, it logs "Failed to query Ray Train Controller actor state" every few seconds
+        # (ray/train/v2/_internal/execution/controller/placement_group_cleaner.py). On a free port: not 8265, which
+        # a `ray start` head of this machine may hold.
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        dashboard_port=free_port(),
     )
     if workers_on:
         await_workers(workers_on, cpus_wanted, 0.0)  # this Ray is all there will be

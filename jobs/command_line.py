@@ -101,7 +101,7 @@ def placement_argv(s: FinetuneSettings, num_workers: int | None) -> list[str]:
 def for_this_machine(s: FinetuneSettings) -> FinetuneSettings:
     """Local paths made absolute (the workers do not run in this directory), after checking the model's and the
     tokenizer's exist; gs:// and hub ids as they are."""
-    from sft_data import is_local
+    from data_formats import is_local
 
     absolute = {}
     for name in ("model", "tokenizer"):

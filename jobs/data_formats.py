@@ -1,8 +1,10 @@
-"""What data the fine-tune reads: file types, record formats, overlong records, the default eval share.
+"""What data the fine-tune reads: file types, record formats, overlong records, the default splits.
 
-No imports: the stack's config (infra/config.py) and cost estimate (infra/prices.py) check and
+Standard library only: the stack's config (infra/config.py) and cost estimate (infra/prices.py) check and
 count against these same facts before anything runs.
 """
+
+import os
 
 LOCAL_DATA = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}  # suffix -> datasets builder
 FORMATS = {  # name -> the columns that identify it
@@ -13,4 +15,22 @@ FORMATS = {  # name -> the columns that identify it
 COLUMNS = ("messages", "prompt", "completion", "instruction", "context", "response")  # what --columns may name
 OVERLONG = ("truncate", "drop")  # records longer than --seq-len; the first is the default
 DEFAULT_DATASET = "databricks/databricks-dolly-15k"  # the walkthrough's records (Pulumi.yaml's dataset)
-EVAL_SHARE = 16  # the default eval split: the 1/16 as many records right after the training slice
+HUB_SPLIT = "train[:1024]"  # the default training split of a hub dataset (the walkthrough's) ...
+FILE_SPLIT = "train"  # ... and of files: all of them (their one split)
+EVAL_SHARE = 16  # the default eval split: 1/16 as many records as the training slice ...
+EVAL_MOST = 256  # ... and no more than this: each eval scores them all
+
+
+def is_local(ref: str) -> bool:
+    """A path, not a hub id (`org/name`): it exists, or it is spelt like a path or a data file."""
+    spelt_as_path = ref.startswith(("/", "./", "../", "~")) or ref.count("/") > 1
+    return os.path.exists(ref) or spelt_as_path or os.path.splitext(ref)[1] in LOCAL_DATA
+
+
+def is_file_source(ref: str) -> bool:
+    return ref.startswith("gs://") or is_local(ref)
+
+
+def default_split(dataset: str) -> str:
+    """A file's records are the user's own: all of them; a hub dataset's, the walkthrough's first 1024."""
+    return FILE_SPLIT if is_file_source(dataset) else HUB_SPLIT

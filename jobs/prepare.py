@@ -33,11 +33,11 @@ from outcome import JobInputError
 from prepared import SPLITS, Prepared
 from recipe import IGNORE
 from render import RecordError, conversation, detect_format, load_tokenizer, render, require_chat_template, tokenize
-from sft_data import Source, load_splits, pack_rows
+from sft_data import FileRecords, Source, bad_lines_message, load_splits, pack_rows
 from storage import filesystem, gcs
 
 PREPARED_DIR = "prepared"
-FORMAT = 1  # bumped whenever what a preparation writes changes
+FORMAT = 2  # bumped whenever what a preparation writes changes
 MAX_ERRORS = 10
 
 
@@ -60,7 +60,7 @@ class SourceFiles:
 
     ref: str
     cache_files: tuple[str, ...]
-    files: tuple[tuple[str, int], ...]
+    files: tuple[FileRecords, ...]
     renames: tuple[tuple[str, str], ...]
 
 
@@ -87,7 +87,7 @@ class ChunkStats:
     predicted: int = 0
     longest: tuple[int, str] = (0, "")
     formats: set[str] = field(default_factory=set)
-    errors: list[tuple[int, str]] = field(default_factory=list)  # (row, message), first MAX_ERRORS
+    errors: list[tuple[tuple[int, int], str]] = field(default_factory=list)  # ((file, line), message), first MAX_ERRORS
 
 
 def render_chunk(chunk: Chunk, source: Source, tokenizer, settings) -> tuple[list, list, ChunkStats]:
@@ -103,7 +103,7 @@ def render_chunk(chunk: Chunk, source: Source, tokenizer, settings) -> tuple[lis
             ids, labels = tokenize(render(turns, tokenizer, settings.chat_template), tokenizer, settings.prompt_loss)
         except RecordError as err:
             if len(stats.errors) < MAX_ERRORS:
-                stats.errors.append((row, f"{source.where(row)}: {err}"))
+                stats.errors.append((source.position(row), f"{source.where(row)}: {err}"))
             continue
         stats.read += 1
         if len(ids) > stats.longest[0]:
@@ -154,7 +154,7 @@ def run_chunk(chunk: Chunk, source: SourceFiles, settings, target: str) -> dict:
 def chunk_row(result: dict) -> dict:
     """A task's result as Ray Data rows hold it (Arrow columns: no mixed tuples)."""
     longest = result.pop("longest")
-    errors = [{"row": row, "message": message} for row, message in result.pop("errors")]
+    errors = [{"at": list(at), "message": message} for at, message in result.pop("errors")]
     return result | {"longest_tokens": longest[0], "longest_where": longest[1], "errors": errors}
 
 
@@ -218,16 +218,15 @@ def plan_chunks(split: str, ranges: list[tuple[str, int, int]], size: int) -> li
     return chunks
 
 
-def bad_records(results: list[dict]) -> JobInputError | None:
-    """The first MAX_ERRORS bad records in file order, together: one rerun of the preflight fixes them all."""
-    errors = [e["message"] for r in results for e in sorted(r["errors"], key=lambda e: e["row"])]
-    if not errors:
+def bad_records(results: list[dict], unreadable: list = ()) -> JobInputError | None:
+    """The first MAX_ERRORS bad records, and lines that are not records, in file order, together: one rerun of the
+    preflight fixes them all."""
+    found = [(tuple(e["at"]), e["message"]) for r in results for e in r["errors"]] + [
+        (tuple(at), m) for at, m in unreadable
+    ]
+    if not found:
         return None
-    if len(errors) == 1:
-        return JobInputError(errors[0])
-    shown = "\n  ".join(errors[:MAX_ERRORS])
-    more = " (the first 10, in file order)" if len(errors) > MAX_ERRORS else ""
-    return JobInputError(f"{min(len(errors), MAX_ERRORS)} bad records{more}:\n  {shown}")
+    return JobInputError(bad_lines_message([message for _, message in sorted(found)], MAX_ERRORS))
 
 
 def split_report(results: list[dict]) -> dict:
@@ -248,6 +247,11 @@ def split_report(results: list[dict]) -> dict:
     }
 
 
+def ranges_text(ranges: list[tuple[str, int, int]]) -> str:
+    """Resolved record ranges as a split expression: [("train", 0, 188)] -> train[0:188]."""
+    return "+".join(f"{name}[{start}:{stop}]" for name, start, stop in ranges)
+
+
 # ---- the key ----------------------------------------------------------------------------------
 
 
@@ -264,7 +268,8 @@ def _file_digest(name: str) -> str:
 
 
 def data_fingerprint(settings) -> list:
-    from sft_data import data_files, is_file_source
+    from data_formats import is_file_source
+    from sft_data import data_files
 
     if is_file_source(settings.dataset):
         return [(os.path.basename(f), _file_digest(f)) for f in data_files(settings.dataset)]
@@ -348,9 +353,9 @@ def prepare(settings, tokenizer, before_work: Callable[[], None] = lambda: None)
     sources = {name: source_files(s, settings.column_renames) for name, s in loaded.items()}
     chunks = plan_chunks("train", train, settings.prepare_chunk) + plan_chunks("eval", held_out, settings.prepare_chunk)
     results = run_chunks(chunks, sources, settings, target)
-    if error := bad_records(results):
+    if error := bad_records(results, [u for s in loaded.values() for u in s.unreadable]):
         raise error
-    report = {}
+    report = {f"{split}_records": ranges_text(ranges) for split, ranges in zip(SPLITS, (train, held_out), strict=True)}
     for split in SPLITS:
         mine = [r for r in results if r["split"] == split]
         report[split] = split_report(mine) if mine else None

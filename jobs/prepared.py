@@ -102,6 +102,8 @@ def data_report(settings, prepared: Prepared, workers: int) -> dict:
         "eval_split": settings.eval_split,
         "chat_template": settings.chat_template,
         "overlong": settings.overlong,
+        "train_records": prepared.report["train_records"],
+        "eval_records": prepared.report["eval_records"],
         "train": prepared.report["train"],
         "eval": prepared.report["eval"],
         "train_rows": rows,
@@ -114,7 +116,8 @@ def data_report(settings, prepared: Prepared, workers: int) -> dict:
 def print_data_report(report: dict) -> None:
     t = report["train"]
     print(
-        f"data: {t['records_read']} training records ({t['format']}) from {report['dataset']} ({report['split']}), "
+        f"data: {t['records_read']} training records ({t['format']}) from {report['dataset']} "
+        f"({report['split']}: {report['train_records']}), "
         f"{t['records_used']} used ({t['truncated']} truncated, {t['dropped']} dropped at --seq-len); "
         f"{t['tokens']:,} tokens, {t['predicted_share']:.1%} of them trained on; longest "
         f"{t['longest_record_tokens']} tokens ({t['longest_record']}); {report['train_rows']} rows, "
@@ -122,7 +125,7 @@ def print_data_report(report: dict) -> None:
         flush=True,
     )
     e = report["eval"]
-    print(f"eval: {e['records_used']} held-out records, {e['predicted_tokens']:,} tokens scored"
-          if e else "eval: none", flush=True)  # fmt: skip
+    print(f"eval: {e['records_used']} held-out records ({report['eval_split']}: {report['eval_records']}, not "
+          f"trained on), {e['predicted_tokens']:,} tokens scored" if e else "eval: none", flush=True)  # fmt: skip
     print(f"prepared data: {report['prepared']} ({'reused' if report['prepared_reused'] else 'made now'})",
           flush=True)  # fmt: skip

@@ -21,8 +21,8 @@ The default recipe is what a user would ship: each record in the model's chat te
 the prompt masked (the answer and its end-of-turn marker are trained), records packed into
 full rows, one global batch per optimizer step (the loss divided by the global count of
 predicted tokens; --grad-accum for a bigger one), linear warmup then cosine decay, gradient
-clipping, a held-out eval after every epoch and every --eval-every steps (by default the records
-after the training slice) with greedy answers to --eval-samples of its prompts, a chunked
+clipping, a held-out eval after every epoch and every --eval-every steps (by default 1/16 of the
+training slice's count, after it or, for a file, from its end) with greedy answers to --eval-samples of its prompts, a chunked
 cross-entropy, and sharded checkpoints written in the background every --save-every steps and at
 each epoch's end. --max-steps runs that many steps instead of --epochs.
 `--recipe walkthrough` is the walkthrough's instead (padded `Instruction: ... Response: ...`
@@ -50,7 +50,6 @@ loss.png come at the end. The last line is `JOB_RESULT_JSON: {...}` with the che
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -69,6 +68,7 @@ from checkpoints import (
     write_state,
 )
 from command_line import for_this_machine, from_args, parse_args
+from log_lines import HARMLESS_RAY_LINE, closing_summary, devices_used, epoch_line, one_line, quiet_ray_reports
 from lora import trainable_and_total
 from memory_plan import Workload, plan
 from outcome import exit_code
@@ -82,7 +82,6 @@ from run_files import (
     SAMPLES_FILE,
     TENSORBOARD_DIR,
     last_samples,
-    one_line,
     run_dir,
     sample_log,
     tensorboard,
@@ -116,6 +115,7 @@ def train_loop_per_worker(config: dict) -> None:
     settings: FinetuneSettings = config["settings"]  # and config["data"]: the prepared data's URI
     backend = get_backend(settings.backend)
     backend.prepare()
+    quiet_ray_reports()
     dtype, device = settings.dtype or backend.compute_dtype, backend.device()
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -145,7 +145,7 @@ def train_loop_per_worker(config: dict) -> None:
             save_full(trainee, metrics, at)
         if "epoch_time_s" in metrics:  # an epoch's end: its peak is in its metrics
             if rank == 0:
-                worker_print(json.dumps({"rank": 0, **metrics}))
+                worker_print(epoch_line(metrics))
             backend.reset_peak_memory()
 
     hooks = Hooks(save, epoch_metrics_of, progress, sample_log(ctx, rank, state.step))
@@ -353,9 +353,13 @@ def run(settings: FinetuneSettings) -> dict:
 
     connect_ray(count, workers_on=settings.backend)  # fails, naming what is missing, if it can never place them
     held_out = bool((report.get("eval") or {}).get("records_used"))
+    print(HARMLESS_RAY_LINE, flush=True)
+    started = time.monotonic()
     result = trainer(settings, count, run_name, prepared.uri, held_out).fit()
     ray.shutdown()  # prints the workers' last log lines now (Ray holds repeated ones back), not after the result
-    return outputs(settings, run_name, result, report)
+    done = outputs(settings, run_name, result, report)
+    print(closing_summary(done, time.monotonic() - started, *devices_used(settings, count)), flush=True)
+    return done
 
 
 def outputs(settings: FinetuneSettings, run_name: str, result, report: dict) -> dict:
@@ -371,7 +375,7 @@ def outputs(settings: FinetuneSettings, run_name: str, result, report: dict) -> 
     samples_file = f"{run_dir(settings.storage_path, run_name)}/{SAMPLES_FILE}"
     samples = last_samples(samples_file)
     for s in samples:
-        print(f"sample at step {s['step']}: {one_line(s['prompt'], 80, tail=True)} -> {one_line(s['completion'], 160)}")
+        print(f"sample at step {s['step']}: {one_line(s['prompt'], 80)} -> {one_line(s['completion'], 160)}")
     return {
         "run_name": run_name,
         "checkpoint": loadable,

@@ -61,9 +61,12 @@ def detect_format(columns: list[str]) -> str:
 
 
 def _text(value, what: str) -> str:
+    """Arrow gives a key a record lacks (or holds null) as None: "missing"."""
+    if value is None:
+        raise RecordError(f"{what} is missing; it must be non-empty text")
     if not isinstance(value, str) or not value.strip():
-        raise RecordError(f"{what} is {'empty' if isinstance(value, str) or value is None else type(value).__name__}; "
-                          "it must be non-empty text")  # fmt: skip
+        raise RecordError(f"{what} is {'empty' if isinstance(value, str) else type(value).__name__}; it must be "
+                          "non-empty text")  # fmt: skip
     return value
 
 
@@ -83,15 +86,19 @@ def conversation(record: dict, fmt: str) -> list[dict]:
             {"role": "assistant", "content": _text(record["response"], "response")},
         ]
     turns = record["messages"]
+    if turns is None:
+        raise RecordError("messages is missing; it must be a non-empty list of {role, content} turns")
     if not isinstance(turns, list) or not turns:
         raise RecordError("messages must be a non-empty list of {role, content} turns")
     out = []
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
+    for i, turn in enumerate(turns, 1):  # numbered as people count, like the lines
+        if not isinstance(turn, dict):
             raise RecordError(f"turn {i} is not a {{role, content}} object")
+        if turn.get("role") is None:
+            raise RecordError(f"turn {i}'s role is missing; use one of {', '.join(ROLES)}")
         if turn["role"] not in ROLES:
             raise RecordError(f"turn {i} has the unknown role {turn['role']!r}; use one of {', '.join(ROLES)}")
-        out.append({"role": ROLES[turn["role"]], "content": _text(turn["content"], f"turn {i}'s content")})
+        out.append({"role": ROLES[turn["role"]], "content": _text(turn.get("content"), f"turn {i}'s content")})
     if not any(t["role"] == "assistant" for t in out):
         raise RecordError("the conversation has no assistant turn, so nothing to train on")
     return out

@@ -143,16 +143,6 @@ def sample_log(ctx, rank: int, resumed_step: int) -> SampleLog | None:
     return SampleLog(storage.storage_filesystem, f"{storage.experiment_fs_path}/{SAMPLES_FILE}", resumed_step)
 
 
-def one_line(text: str, width: int, tail: bool = False) -> str:
-    """`text` on one line of at most `width` characters for a log: whitespace runs made one space, and what is cut
-    marked with an ellipsis (the end kept with `tail`: a prompt's end is where the answer starts). The files
-    (samples.jsonl) keep the whole text."""
-    flat = " ".join(text.split())
-    if len(flat) <= width:
-        return flat
-    return "…" + flat[-(width - 1) :] if tail else flat[: width - 1] + "…"
-
-
 def last_samples(samples_uri: str | None) -> list[dict]:
     """The last eval's answers in a samples.jsonl (a path or URI; none if there is no such file)."""
     import pyarrow.fs

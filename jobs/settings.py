@@ -22,10 +22,11 @@ import re
 import sys
 import types
 import typing
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
 from backend import BACKENDS, DTYPES
-from data_formats import DEFAULT_DATASET, OVERLONG
+from data_formats import DEFAULT_DATASET, HUB_SPLIT, OVERLONG, default_split
+from declared import declared, setting
 from outcome import JobInputError
 from recipe import SCHEDULES
 from render import parse_columns
@@ -35,30 +36,6 @@ from tpu_generations import ACCELERATOR_TYPES, by_accelerator_type, chips_of, is
 RECIPES = ("default", "walkthrough")
 DEFAULT_RUN_PREFIX = "torchtpu_gemma4_fsdp2_sft_"
 DEFAULT_STORAGE = "$STORAGE_PATH, else ~/ray_results"
-
-
-@dataclass(frozen=True)
-class Declared:
-    """What `setting` records about a field besides its type and default."""
-
-    help: str
-    key: str | None = None  # the stack's config key; None: not exposed
-    aliases: tuple[str, ...] = ()  # the walkthrough's flag names
-    choices: tuple | None = None
-    low: float | None = None  # the least value allowed ...
-    low_open: bool = False  # ... itself excluded
-    high: float | None = None  # the most allowed (inclusive) ...
-    high_open: bool = False  # ... itself excluded
-    high_why: str = ""  # why nothing past `high` can be what a user meant
-    recipes: dict | None = None  # {recipe: value} for a setting --recipe decides
-    stack_default: bool = True  # Pulumi.yaml declares the default (False: it depends on another key)
-
-
-def setting(default, help: str, **declared):
-    """A field of FinetuneSettings and its declaration. A recipe's setting defaults to the default recipe's."""
-    recipes = declared.get("recipes")
-    value = recipes["default"] if recipes else default
-    return field(default=value, metadata={"declared": Declared(help, **declared)})
 
 
 # upper bounds' reasons, said once
@@ -85,11 +62,13 @@ class FinetuneSettings:
                                          key="datasetConfig")  # fmt: skip
     columns: str | None = setting(None, "rename the data's columns onto a record format: NEW=OLD pairs, e.g. "
                                   "prompt=question,completion=answer", key="datasetColumns")  # fmt: skip
-    split: str = setting("train[:1024]", f"the training split ({EXAMPLES}; a file's one split is train)",
-                         key="datasetSplit", aliases=("--dataset-split",))  # fmt: skip
+    split: str = setting(None, f"the training split ({EXAMPLES}; a file's one split is train; default: all of a "
+                         f"file's records, {HUB_SPLIT} of a hub dataset)", key="datasetSplit",
+                         aliases=("--dataset-split",), stack_default=False)  # fmt: skip
     eval_split: str = setting(None, "the held-out split, scored after every epoch and every {eval_every} steps: "
-                              "auto (the records after {split}'s slice, 1/16 as many), none, or a split that does "
-                              "not overlap {split}", key="evalSplit",
+                              "auto (1/16 as many records as {split}, at most 256: the ones right after it, or, "
+                              "where it reaches the data's end, its own last ones, not trained on then), none, or a "
+                              "split that does not overlap {split}", key="evalSplit",
                               recipes={"default": "auto", "walkthrough": "none"})  # fmt: skip
     overlong: str = setting("truncate", "records longer than {seq_len}: truncate or drop (the data report counts "
                             "either)", key="overlong", choices=OVERLONG)  # fmt: skip
@@ -185,6 +164,10 @@ class FinetuneSettings:
     prepare_chunk: int = setting(2048, "records per task of the data's preparation (in parallel once there are "
                                  "more than this)", low=1)  # fmt: skip
 
+    def __post_init__(self) -> None:
+        if self.split is None:  # the one default that depends on another setting
+            object.__setattr__(self, "split", default_split(self.dataset))
+
     @property
     def tokenizer_ref(self) -> str:
         return self.tokenizer or self.model
@@ -193,10 +176,6 @@ class FinetuneSettings:
     def column_renames(self) -> dict[str, str]:
         """--columns parsed: old column name -> record-format name."""
         return parse_columns(self.columns)
-
-
-def declared(f) -> Declared:
-    return f.metadata["declared"]
 
 
 SETTINGS = {f.name: f for f in fields(FinetuneSettings)}

@@ -28,40 +28,59 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from data_formats import EVAL_SHARE, LOCAL_DATA
+from data_formats import EVAL_MOST, EVAL_SHARE, LOCAL_DATA, is_file_source
 from outcome import JobInputError
 from recipe import IGNORE, predicted_tokens
 from splits import overlap
 from storage import fsspec_options, gcs
 
-
-def is_local(ref: str) -> bool:
-    """A path, not a hub id (`org/name`): it exists, or it is spelt like a path."""
-    return os.path.exists(ref) or ref.startswith(("/", "./", "../", "~")) or ref.count("/") > 1
-
-
-def is_file_source(ref: str) -> bool:
-    return ref.startswith("gs://") or is_local(ref)
-
-
 # ---- loading ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FileRecords:
+    """One file of a split: its records, and the lines that hold none where the file was read line by line
+    (blank, or not JSON), so that a record is named by the line a person finds it on."""
+
+    name: str
+    count: int
+    skipped: tuple[int, ...] = ()  # 1-based, ascending
+
+    def line(self, index: int) -> int:
+        """The 1-based line (or record number) of the file's 0-based record `index`."""
+        line = index + 1
+        for s in self.skipped:
+            if s > line:
+                break
+            line += 1
+        return line
 
 
 @dataclass
 class Source:
-    """One named split of a dataset, and where each of its records came from."""
+    """One named split of a dataset, where each of its records came from, and the lines that could not be read
+    as records (the preflight names them with the bad records)."""
 
     ref: str
     data: object  # datasets.Dataset
-    files: list[tuple[str, int]] = field(default_factory=list)  # (file, records), in order
+    files: list[FileRecords] = field(default_factory=list)  # in order
+    unreadable: list[tuple[tuple[int, int], str]] = field(default_factory=list)  # ((file number, line), message)
+
+    def position(self, row: int) -> tuple[int, int]:
+        """(file number, 1-based line or record) of the split's 0-based row: the order bad records are named in."""
+        for number, f in enumerate(self.files):
+            if row < f.count:
+                return number, f.line(row)
+            row -= f.count
+        return len(self.files), row + 1
 
     def where(self, row: int) -> str:
         """`file, line N` (or `DATASET, row N`) for the 0-based row of the split."""
-        for name, count in self.files:
-            if row < count:
-                return f"{name}, {'line' if name.endswith('.jsonl') else 'record'} {row + 1}"
-            row -= count
-        return f"{self.ref}, row {row + 1}"
+        number, line = self.position(row)
+        if number == len(self.files):
+            return f"{self.ref}, row {line}"
+        name = self.files[number].name
+        return f"{name}, {'line' if name.endswith('.jsonl') else 'record'} {line}"
 
 
 def data_files(ref: str) -> list[str]:
@@ -102,20 +121,37 @@ def storage_errors(ref: str):
 
 
 def first_bad_json_line(name: str, local: str) -> str | None:
+    """A .json file's first error (one document: the parser stops there)."""
     with open(local) as f:
-        if name.endswith(".json"):
-            try:
-                json.load(f)
-            except json.JSONDecodeError as err:
-                return f"{name}, line {err.lineno}: not JSON ({err.msg})"
-            return None
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    json.loads(line)
-                except json.JSONDecodeError as err:
-                    return f"{name}, line {number}: not JSON ({err.msg}): {line.strip()[:80]!r}"
+        try:
+            json.load(f)
+        except json.JSONDecodeError as err:
+            return f"{name}, line {err.lineno}: not JSON ({err.msg})"
     return None
+
+
+def json_lines(name: str, local: str, into: str) -> tuple[str, tuple[int, ...], list[tuple[int, str]]] | None:
+    """A JSON Lines file read line by line, as `datasets` cannot (it stops at the first bad line): a copy holding
+    only its records, the lines that hold none (blank or not JSON), and each line that is not JSON with why;
+    None when every line is JSON (what failed is something else)."""
+    skipped, bad = [], []
+    target = os.path.join(into, f"{len(os.listdir(into))}-records.jsonl")
+    with open(local, "rb") as f, open(target, "w", encoding="utf-8") as out:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                skipped.append(number)
+                continue
+            try:
+                line = raw.decode("utf-8")
+                json.loads(line)
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                js = isinstance(err, json.JSONDecodeError)
+                why = f"not JSON ({err.msg}): {line.strip()[:80]!r}" if js else f"not UTF-8 (byte {err.start + 1})"
+                skipped.append(number)
+                bad.append((number, f"{name}, line {number}: {why}"))
+                continue
+            out.write(line if line.endswith("\n") else line + "\n")
+    return (target, tuple(skipped), bad) if bad else None
 
 
 def local_copy(name: str, into: str) -> str:
@@ -128,8 +164,9 @@ def local_copy(name: str, into: str) -> str:
     return target
 
 
-def load_file(name: str, into: str):
-    """One file as a Dataset; a json/jsonl line that is not JSON is named with its line number."""
+def load_file(name: str, number: int, into: str) -> tuple[object, FileRecords, list]:
+    """One file as (a Dataset, its FileRecords, its unreadable lines); a json/jsonl line that is not JSON is
+    named with its line number: every such line of a .jsonl, with the file's other records still read."""
     from datasets import load_dataset
 
     fmt = LOCAL_DATA.get(os.path.splitext(name)[1])
@@ -137,10 +174,36 @@ def load_file(name: str, into: str):
         raise JobInputError(f"--dataset {name!r}: use json, jsonl, csv or parquet files, or a hub id")
     local = local_copy(name, into)
     try:
-        return load_dataset(fmt, data_files=local, split="train")
-    except Exception as err:  # noqa: BLE001  (datasets wraps the parser's error; find the line ourselves)
-        bad = first_bad_json_line(name, local) if fmt == "json" else None
-        raise JobInputError(bad or f"{name}: cannot be read as {fmt}: {err}") from None
+        with datasets_quiet():  # its log names a bad line by its 0-based row; the error below names them all
+            data = load_dataset(fmt, data_files=local, split="train")
+        return data, FileRecords(name, len(data)), []
+    except Exception as err:  # noqa: BLE001  (datasets wraps the parser's error; find the lines ourselves)
+        failure = err
+    lines = json_lines(name, local, into) if name.endswith(".jsonl") else None
+    if lines is None:
+        bad = first_bad_json_line(name, local) if name.endswith(".json") else None
+        raise JobInputError(bad or f"{name}: cannot be read as {fmt}: {failure}")
+    records, skipped, bad = lines
+    unreadable = [((number, line), message) for line, message in bad]
+    if os.path.getsize(records) == 0:
+        return None, FileRecords(name, 0, skipped), unreadable
+    try:
+        data = load_dataset(fmt, data_files=records, split="train")
+    except Exception as err:  # noqa: BLE001
+        raise JobInputError(f"{bad[0][1]}; and its other lines cannot be read as {fmt}: {err}") from None
+    return data, FileRecords(name, len(data), skipped), unreadable
+
+
+@contextmanager
+def datasets_quiet():
+    import datasets
+
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
 
 
 def load_split(ref: str, name: str, config: str | None = None) -> Source:
@@ -151,14 +214,26 @@ def load_split(ref: str, name: str, config: str | None = None) -> Source:
         return Source(ref, load_dataset(ref, config, split=name, token=os.environ.get("HF_TOKEN")))
     if name != "train":
         raise JobInputError(f"--dataset {ref!r} is files: their one split is `train` (got {name!r})")
-    files = data_files(ref)
     with tempfile.TemporaryDirectory(prefix="dataset-") as into:  # gs:// copies; datasets reads them into its cache
-        parts = [load_file(f, into) for f in files]
+        loaded = [load_file(f, number, into) for number, f in enumerate(data_files(ref))]
+    unreadable = [u for _, _, bad in loaded for u in bad]
+    parts = [data for data, _, _ in loaded if data is not None]
+    if not parts:
+        raise JobInputError(bad_lines_message([message for _, message in unreadable]))
     try:
         data = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
     except ValueError as err:
         raise JobInputError(f"--dataset {ref!r}: its files do not share their columns ({err})") from None
-    return Source(ref, data, [(f, len(p)) for f, p in zip(files, parts, strict=True)])
+    return Source(ref, data, [f for _, f, _ in loaded], unreadable)
+
+
+def bad_lines_message(errors: list[str], most: int = 10) -> str:
+    """The first `most` bad records or lines, in file order, in one message: one rerun fixes them all."""
+    if len(errors) == 1:
+        return errors[0]
+    shown = "\n  ".join(errors[:most])
+    more = f" (the first {most}, in file order)" if len(errors) > most else ""
+    return f"{min(len(errors), most)} bad records{more}:\n  {shown}"
 
 
 # ---- splits -----------------------------------------------------------------------------------
@@ -173,19 +248,20 @@ def absolute(spec: str, sizes: dict[str, int]) -> list[tuple[str, int, int]]:
         raise JobInputError(f"split {spec!r}: {err}") from None
 
 
-def default_eval(train: list[tuple[str, int, int]], sizes: dict[str, int]) -> list[tuple[str, int, int]]:
-    """The records right after the training slice, 1/EVAL_SHARE as many (at least one)."""
+def default_eval(train: list[tuple[str, int, int]], sizes: dict[str, int]) -> tuple[list, list]:
+    """--eval-split auto: (training ranges, held-out ranges). 1/EVAL_SHARE as many records as the training slice
+    (at least one, at most EVAL_MOST): those right after it, or, where it reaches the end of its split (all of a
+    file, by default), its own last ones, which are then not trained on."""
     if len(train) != 1:
         raise JobInputError("--eval-split auto needs a single training slice such as train[:1024]; name one")
     name, start, stop = train[0]
-    count = -(-(stop - start) // EVAL_SHARE)
-    if stop >= sizes[name]:
-        raise JobInputError(
-            f"--eval-split auto takes the records after the training slice, but it reaches the end of "
-            f"{name!r} ({sizes[name]} records): train on fewer (e.g. --split {name}[:{sizes[name] - count}]), "
-            "name an --eval-split, or pass --eval-split none"
-        )
-    return [(name, stop, min(sizes[name], stop + count))]
+    count = min(EVAL_MOST, -(-(stop - start) // EVAL_SHARE))
+    if stop < sizes[name]:
+        return train, [(name, stop, min(sizes[name], stop + count))]
+    if stop - start < 2:
+        raise JobInputError(f"--eval-split auto holds out some of the training records, but {name}[{start}:{stop}] "
+                            "holds fewer than 2; add records, or pass --eval-split none")  # fmt: skip
+    return [(name, start, stop - count)], [(name, stop - count, stop)]
 
 
 def check_disjoint(train: list, held_out: list) -> None:
@@ -210,7 +286,10 @@ def load_splits(settings) -> tuple[list, list, dict[str, Source]]:
     train = absolute(settings.split, sizes)
     if eval_spec == "none":
         return train, [], loaded
-    held_out = default_eval(train, sizes) if eval_spec == "auto" else absolute(eval_spec, sizes)
+    if eval_spec == "auto":
+        train, held_out = default_eval(train, sizes)
+    else:
+        held_out = absolute(eval_spec, sizes)
     check_disjoint(train, held_out)
     return train, held_out, loaded
 

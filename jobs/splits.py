@@ -52,10 +52,9 @@ def eval_split_problem(eval_split: str, split: str) -> str | None:
     if eval_split == "none":
         return None
     if eval_split == "auto":
-        bounds = absolute_slice(split)
-        if "+" in split or (bounds and bounds[2] == math.inf):
-            return (f"holds out the records after the training slice, but {{split}} {split!r} has no end; train "
-                    "on a slice such as train[:95%] and hold out train[95%:], or no eval (none)")  # fmt: skip
+        if "+" in split:
+            return (f"holds out records after the training slice or at its end, but {{split}} {split!r} joins "
+                    "several; name a held-out split such as test[:64], or none")  # fmt: skip
         return None
     if not is_split(eval_split):
         return f"is not auto, none or a split expression such as train[1024:1088] ({EXAMPLES})"

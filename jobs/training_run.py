@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import stopping
 from backend import worker_print
 from checkpoints import epoch_dir_name, step_dir_name
-from run_files import one_line
+from log_lines import one_line
 from step import evaluate, micro_batch_groups, train_step
 
 

@@ -156,7 +156,33 @@ def test_make_local_prints_the_estimate_of_its_settings_on_a_slice():
     line = local_cost_line(local_config(pricePerChipHour="2"))
     assert line.startswith("no TPU slice here; on v6e 4x4 onDemand, $32.00/h ($2.00 per chip-hour, read from ")
     assert line.endswith("unknown before the run: the size of model "
-                         f"'{local_config().job.model}' (not a Gemma 4 of infra/models.py)")  # fmt: skip
+                         f"'{local_config().job.model}' (not a Gemma 4 of infra/models.py); until destroy, also "
+                         "GKE's $0.10/h cluster fee (one cluster's is covered by a monthly credit) and the Ray head")  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["standard", "autopilot"])
+def test_the_estimate_names_what_bills_until_destroy_with_its_source(mode):
+    from infra.prices import cost_estimate, estimate_line
+
+    for overrides in ({}, {"tpuGeneration": "tpu7x", "tpuTopology": "2x2x2"}):  # priced or not, the same parts
+        estimate = cost_estimate(parse_as_cli({"mode": mode} | overrides, region="us-east5"))
+        parts = estimate["always_on"]
+        assert parts["cluster_fee_usd_per_hour"] == 0.10 and "GKE pricing page" in parts["cluster_fee_source"]
+        assert ("n2-standard-8 node" in parts["head"]) is (mode == "standard")
+        assert "until pulumi destroy" in parts["note"] and "GKE's $0.10/h cluster fee" in estimate_line(estimate)
+
+
+def test_a_dataset_file_counts_its_records_for_the_estimate(tmp_path):
+    from infra.prices import cost_estimate, training_minutes, training_records
+
+    jsonl, csv = tmp_path / "own.jsonl", tmp_path / "own.csv"
+    jsonl.write_text('{"prompt": "a", "completion": "b"}\n\n' * 300)  # blank lines are no records
+    csv.write_text("prompt,completion\na,b\n")
+    assert training_records(parse_as_cli({"datasetFile": str(jsonl)})) == 300  # all of it, by default
+    assert training_records(parse_as_cli({"datasetFile": str(jsonl), "datasetSplit": "train[:100]"})) == 100
+    assert training_records(parse_as_cli({"datasetFile": str(jsonl), "datasetSplit": "train[:1000]"})) == 300
+    assert training_minutes(parse_as_cli({"datasetFile": str(jsonl)})) is not None
+    assert "the record count of datasetFile" in cost_estimate(parse_as_cli({"datasetFile": str(csv)}))["run"]
 
 
 def test_the_cost_of_a_run_from_its_slice_hours():

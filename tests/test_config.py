@@ -269,11 +269,11 @@ BAD["eval overlaps"] = (
     "gemma-tpu:evalSplit: 'train[1000:1100]' overlaps gemma-tpu:datasetSplit 'train[:1024]'",
 )
 BAD["eval inside a whole split"] = ("v6e", {"datasetSplit": "train", "evalSplit": "train[:10]"}, "overlaps")
-BAD["auto after a split with no end"] = (
+BAD["auto beside a split of several parts"] = (
     "v6e",
-    {"datasetSplit": "train"},
-    "gemma-tpu:evalSplit: 'auto' holds out the records after the training slice, but gemma-tpu:datasetSplit 'train' has "
-    "no end",
+    {"datasetSplit": "train+test"},
+    "gemma-tpu:evalSplit: 'auto' holds out records after the training slice or at its end, but gemma-tpu:datasetSplit "
+    "'train+test' joins several",
 )
 BAD["dataset and datasetFile"] = (
     "v6e",
@@ -462,6 +462,8 @@ def test_a_dataset_file_alone_is_read_under_the_clis_defaults(tmp_path):
     assert cfg.dataset_file == str(data)
     assert cfg.job.dataset.startswith("gs://p-v6e-checkpoints/datasets/records-")  # the uploaded copy
     assert parse_as_cli({}).job.dataset == "databricks/databricks-dolly-15k"  # the walkthrough's, unset
+    assert (cfg.job.split, parse_as_cli({}).job.split) == ("train", "train[:1024]")  # all of the user's own file
+    assert parse_as_cli({"datasetFile": str(data), "datasetSplit": "train[:10]"}).job.split == "train[:10]"
     with pytest.raises(ConfigError, match="datasetFile and gemma-tpu:dataset are both set"):
         parse_as_cli({"datasetFile": str(data), "dataset": "databricks/databricks-dolly-15k"})
 

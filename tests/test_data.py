@@ -87,13 +87,15 @@ BAD_RECORDS = {  # name: (file, its text, what the error says)
                         "instruction + response (rename columns with --columns"),
     "unknown role": ("roles.jsonl", json.dumps(CONVERSATION) + "\n" + json.dumps({"messages": [
                         {"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]}) + "\n",
-                     "roles.jsonl, line 2: turn 1 has the unknown role 'bot'; use one of system, user, assistant, model"),
+                     "roles.jsonl, line 2: turn 2 has the unknown role 'bot'; use one of system, user, assistant, model"),
     "no assistant turn": ("lonely.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n",
                           "lonely.jsonl, line 1: the conversation has no assistant turn"),
     "empty content": ("empty.jsonl", json.dumps(PAIR) + "\n" + json.dumps({"prompt": "hi", "completion": "  "}) + "\n",
                       "empty.jsonl, line 2: completion is empty; it must be non-empty text"),
     "content not text": ("typed.jsonl", json.dumps(PAIR) + "\n" + json.dumps({"prompt": "hi", "completion": 42}) + "\n",
                          "typed.jsonl, line 2: completion is int; it must be non-empty text"),
+    "missing key": ("keys.jsonl", json.dumps(PAIR) + "\n" + json.dumps({"prompt": "hi"}) + "\n",
+                    "keys.jsonl, line 2: completion is missing; it must be non-empty text"),
 }  # fmt: skip
 
 
@@ -104,6 +106,64 @@ def test_a_bad_record_fails_before_any_worker_naming_file_row_and_what_is_wrong(
     assert finetune_main(tiny_assets, tmp_path, str(tmp_path / file)) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_every_bad_record_and_line_is_named_in_one_run_by_the_line_it_is_on(tiny_assets, tmp_path, capsys):
+    """A bad role, no assistant turn, a line that is not JSON and a record of other columns: all four at once, in
+    file order, each by its line (the ones after the unreadable line too)."""
+    lines = [json.dumps(CONVERSATION)] * 45
+    lines[9] = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]})
+    lines[19] = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+    lines[29] = '{"messages": [{"role": "user", "content": "hi"}'
+    lines[39] = json.dumps(PAIR)
+    lines.insert(34, "")  # a blank line moves the later records down, as an editor numbers them
+    (tmp_path / "mixed.jsonl").write_text("\n".join(lines) + "\n")
+    assert finetune_main(tiny_assets, tmp_path, str(tmp_path / "mixed.jsonl")) == 2
+    err = capsys.readouterr().err
+    data = tmp_path / "mixed.jsonl"
+    assert "4 bad records:" in err and "Traceback" not in err
+    expected = [f"{data}, line 10: turn 2 has the unknown role 'bot'", f"{data}, line 20: the conversation has no "
+                f"assistant turn", f"{data}, line 30: not JSON", f"{data}, line 41: messages is missing"]  # fmt: skip
+    at = [err.index(message) for message in expected]
+    assert at == sorted(at)
+
+
+def test_a_file_line_counts_the_lines_that_hold_no_record():
+    from sft_data import FileRecords
+
+    lines = FileRecords("a.jsonl", 5, skipped=(1, 4, 5))  # records on lines 2, 3, 6, 7, 8
+    assert [lines.line(i) for i in range(5)] == [2, 3, 6, 7, 8]
+    assert [FileRecords("b.csv", 3).line(i) for i in range(3)] == [1, 2, 3]
+
+
+def test_your_own_small_file_trains_with_the_default_splits(tiny_assets, tmp_path, gloo_rank):
+    """No --split, no --eval-split: all 200 records of the file, its last 13 (1/16) held out and not trained on."""
+    import ray_train_llm_finetune as ft
+    from command_line import from_args, parse_args
+
+    data = write(tmp_path / "own.jsonl", [PAIR, {"prompt": "Describe bees.", "completion": "Bees are warm."}] * 100)
+    argv = ["--backend", "cpu", "--num-workers", "1", "--model", tiny_assets["model"], "--dataset", data,
+            "--storage-path", str(tmp_path / "runs"), "--seq-len", "128", "--epochs", "1"]  # fmt: skip
+    assert ft.main([*argv, "--preflight", "--run-name", "p"]) == 0
+    report = json.loads((tmp_path / "runs" / "p" / "data_report.json").read_text())
+    assert (report["split"], report["train_records"], report["eval_records"]) == ("train", "train[0:187]",
+                                                                                   "train[187:200]")  # fmt: skip
+    assert (report["train"]["records_used"], report["eval"]["records_used"]) == (187, 13)
+    _, history = train(from_args(parse_args(argv)))
+    assert history[0]["steps"] > 0 and 0 < history[0]["eval_loss"] < 10
+
+
+def test_the_default_held_out_records_follow_the_training_slice_or_end_it():
+    from outcome import JobInputError
+    from sft_data import default_eval
+
+    dolly = {"train": 15011}
+    assert default_eval([("train", 0, 1024)], dolly) == ([("train", 0, 1024)], [("train", 1024, 1088)])
+    assert default_eval([("train", 0, 15011)], dolly) == ([("train", 0, 14755)], [("train", 14755, 15011)])  # 256
+    assert default_eval([("train", 0, 200)], {"train": 200}) == ([("train", 0, 187)], [("train", 187, 200)])
+    assert default_eval([("train", 0, 1020)], {"train": 1030}) == ([("train", 0, 1020)], [("train", 1020, 1030)])
+    with pytest.raises(JobInputError, match="holds fewer than 2"):
+        default_eval([("train", 4, 5)], {"train": 5})
 
 
 def test_missing_files_and_globs_that_match_nothing_say_so(tiny_assets, tmp_path, capsys):

@@ -435,6 +435,12 @@ def test_the_fine_tune_states_its_data_and_shows_progress_and_tensorboard(by_han
     assert [s["step"] for s in samples] == [steps // 2] * 4 + [steps] * 4  # each epoch's eval, 4 prompts
     assert all(s["completion"] and s["reference"] and s["prompt"] for s in samples) and result["samples"]
     assert f"sample at step {steps}: " in logs  # the last eval's answers, in the job log
+    # for a person: each epoch once, in words (not Ray's per-report dicts), then a summary above the result line
+    assert '"rank": 0' not in logs
+    assert [line.count("steps in") for line in logs.splitlines() if "epoch 1: train" in line] == [1, 0]
+    summary = logs[logs.index("\ndone: run ") : logs.index(RESULT_PREFIX)]
+    assert f"  checkpoint:  {result['checkpoint']}\n" in summary and f"  samples:     {result['samples']}" in summary
+    assert "  losses:      epoch 1: train " in summary and "  cost:        no TPU (2 cpu workers)" in summary
     assert "real tok/s" in progress[-1] and "grad_norm" in progress[-1] and "  lr " in progress[-1]
     events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert events and result["tensorboard"] == str(run_dir / "tensorboard")

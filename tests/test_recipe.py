@@ -130,8 +130,12 @@ BAD_FLAGS = {
         "the eval split train[38:58] overlaps the training split train[0:48]",  # of the 96 records
     ),
     "empty eval": (["--eval-split", "train[90:90]"], "the eval split holds no records (train[90:90])"),
-    "no end": (["--split", "train"], "--eval-split 'auto' holds out the records after the training slice, but"),
-    "no room after": (["--split", "train[:2000]"], "--eval-split auto takes the records after the training slice"),
+    "several parts": (["--split", "train[:40]+train[40:80]"], "--eval-split 'auto' holds out records after the"),
+    "too few to hold out": (
+        ["--split", "train[95:]"],
+        "--eval-split auto holds out some of the training records, "
+        "but train[95:96] holds fewer than 2; add records, or pass --eval-split none",
+    ),
     "columns": (["--columns", "prompt"], "--columns 'prompt' is not NEW=OLD pairs: each entry is NEW=OLD"),
 }
 

@@ -122,9 +122,45 @@ def test_the_exported_model_stops_generating_at_the_end_of_its_turn(tiny_assets,
     assert exported_tokenizer.convert_ids_to_tokens(out) == ["bees", "are", "warm", "and", "early", ".", "<turn|>"]
 
 
+def test_the_closing_summary_says_where_the_model_is_how_it_learned_and_what_the_slice_held():
+    from command_line import from_args, parse_args
+    from log_lines import closing_summary, devices_used
+
+    history = [{"epoch": 1, "loss": 2.5, "eval_loss": 2.25}, {"epoch": 2, "loss": 2.0, "eval_loss": None}]
+    result = {"run_name": "r", "checkpoint": "gs://b/r/model", "history": history, "loss_curve": "gs://b/r/loss.png",
+              "samples": None, "tensorboard": "gs://b/r/tensorboard"}  # fmt: skip
+    tpu7x = from_args(parse_args(["--accelerator-type", "TPU-V7X", "--topology", "2x2x2", "--num-slices", "2"]))
+    devices, chips = devices_used(tpu7x, 32)  # 2 devices a chip
+    assert (devices, chips) == ("2 x tpu7x 2x2x2, 16 chips", 16)
+    text = closing_summary(result, 5400, devices, chips)
+    assert text.splitlines()[0] == "done: run r, 2 epochs in 1 h 30 min on 2 x tpu7x 2x2x2, 16 chips"
+    assert "  checkpoint:  gs://b/r/model  (copy it out: gcloud storage cp -r gs://b/r/model .)" in text
+    assert "  losses:      epoch 1: train 2.5000, eval 2.2500; epoch 2: train 2.0000" in text
+    assert "  cost:        24.00 chip-hours (2 x tpu7x 2x2x2, 16 chips for 1 h 30 min" in text
+
+
+def test_ray_trains_line_for_every_report_is_quieted_in_the_workers():
+    """Each report's whole metrics dict, on every rank, several times an epoch: the epoch line says it once."""
+    import inspect
+    import logging
+
+    from log_lines import quiet_ray_reports
+    from ray.train.v2._internal.execution import context
+
+    assert "Reporting training result" in inspect.getsource(context.TrainContext._wait_then_report)
+    assert "logger.info(" in inspect.getsource(context.TrainContext._wait_then_report)
+    level = context.logger.level
+    try:
+        context.logger.setLevel(logging.INFO)  # as a Ray worker's logging config leaves it
+        quiet_ray_reports()
+        assert not context.logger.isEnabledFor(logging.INFO) and context.logger.isEnabledFor(logging.WARNING)
+    finally:
+        context.logger.setLevel(level)
+
+
 def test_a_log_line_holds_one_line_and_marks_what_it_cut():
-    from run_files import one_line
+    from log_lines import one_line
 
     assert one_line("short\nanswer", 20) == "short answer"
     assert one_line("word " * 50, 20) == "word word word word…" and len(one_line("word " * 50, 20)) == 20
-    assert one_line("… the question. <start_of_turn>model\n", 12, tail=True) == "…_turn>model"
+    assert one_line("Describe the tides.\n\nTides are the sea rising and falling.", 24) == "Describe the tides. Tid…"
