@@ -162,8 +162,29 @@ def load_model_and_tokenizer(settings, dtype: str, restored):
     return model, tokenizer
 
 
+def packed_masks_without_host_reads() -> None:
+    """transformers 5.23 finds packed rows' documents from their position ids, then asks the device whether there
+    is more than one (`if (packed_sequence_mask[:, -1] == 0).all(): return None`, masking_utils.py
+    `find_packed_sequence_indices`): a host read in every forward, twice for Gemma 4's two mask kinds, which
+    splits TorchTPU's fused program. Its own comment says the all-zero indices it returns under compile mean the
+    same as None; so they are kept: the same masks, no read."""
+    from transformers import masking_utils
+
+    if getattr(masking_utils.find_packed_sequence_indices, "reads_nothing", False):
+        return
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor:
+        first = position_ids[:, :1] - 1
+        return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+    find_packed_sequence_indices.reads_nothing = True
+    find_packed_sequence_indices.original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+
+
 def build_model(settings, backend, dtype: str, world: int, restored) -> Trainee:
     """The model as it trains, every change in this module's order, over all ranks."""
+    packed_masks_without_host_reads()
     model, tokenizer = load_model_and_tokenizer(settings, dtype, restored)
     if settings.chat_template:
         stop_at_end_of_turn(model, tokenizer)
@@ -180,6 +201,12 @@ def build_model(settings, backend, dtype: str, world: int, restored) -> Trainee:
 
 
 def adamw(trainee: Trainee, settings) -> torch.optim.Optimizer:
-    """AdamW over what is trainable (everything but the per-layer table, or LoRA's adapters)."""
+    """AdamW over what is trainable (everything but the per-layer table, or LoRA's adapters). Off TPU, torch's
+    fused AdamW, its learning rate a device tensor each step writes into (step.set_lr): no program's constant
+    changes from step to step, and its step counts stay on the device (torch/optim/adam.py's default path reads
+    each with .item()). On TPU, torch's default AdamW with a float rate until TorchTPU's own is wired in."""
     trainable = [p for p in trainee.model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
+    if settings.backend == "tpu":
+        return torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
+    lr = torch.tensor(settings.lr, dtype=torch.float32, device=trainable[0].device)
+    return torch.optim.AdamW(trainable, lr=lr, weight_decay=settings.weight_decay, fused=True)

@@ -93,9 +93,10 @@ def token_loss_sum(hidden, weight, labels, softcap: float | None, chunk: int = 0
     return chunked_loss_sum(h, weight, targets, softcap, chunk, torch.is_grad_enabled())
 
 
-def clip_grad_norm(parameters, max_norm: float) -> float:
-    """The global gradient norm (over every rank's shards); gradients are scaled down to `max_norm`
-    when it is exceeded and max_norm > 0. As torchtitan does it: DTensor norms are made whole first."""
+def clip_grad_norm(parameters, max_norm: float):
+    """The global gradient norm (over every rank's shards), a device tensor (read only where a line prints it);
+    gradients are scaled down to `max_norm` when it is exceeded and max_norm > 0, on the device. As torchtitan
+    does it: DTensor norms are made whole first."""
     import torch
 
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -104,4 +105,4 @@ def clip_grad_norm(parameters, max_norm: float) -> float:
         total = total.full_tensor()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
-    return float(total)
+    return total

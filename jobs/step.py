@@ -92,22 +92,54 @@ def micro_batch_groups(loader, grad_accum: int):
 
 @dataclass
 class StepResult:
-    """What one optimizer step leaves: this rank's summed token loss (a device tensor), its own predicted and
-    real tokens (counted on the host from the CPU batch), the gradient norm, the learning rate, and the step's
-    all-reduced counts over the global batch, [predicted, real, stop requests, preemption notices] (device)."""
+    """What one optimizer step leaves: this rank's summed token loss and the gradient norm (device tensors, read
+    only where a line prints them), and, on the host, the learning rate and the global batch's counts summed
+    over ranks, [predicted, real, stop requests, preemption notices]."""
 
     loss_sum: object
-    predicted: int
-    real: int
     grad_norm: object
     lr: float
-    counts: object
+    counts: tuple[float, float, float, float]
 
     @property
     def stop(self) -> str | None:
         """ "preempted" when a rank had Ray Train's notice, "sigterm" when one was sent SIGTERM, else None."""
-        _, _, stops, notices = self.counts.tolist()
+        _, _, stops, notices = self.counts
         return "preempted" if notices else "sigterm" if stops else None
+
+
+def host_counts(micro_batches: list) -> tuple[int, int]:
+    """This rank's predicted and real tokens, counted with numpy on the CPU batch before it moves: no device
+    read, and no torch op a device-read count would see."""
+    predicted = sum(int((b[2].numpy()[..., 1:] != IGNORE).sum()) for b in micro_batches)
+    return predicted, sum(int(b[1].numpy().sum()) for b in micro_batches)
+
+
+@cache
+def _gloo_beside(world) -> object:
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo")
+
+
+def host_group():
+    """A gloo group over every rank, for values the hosts hold (counts, stop flags): summed over the network,
+    they never touch the device. The default group where it is gloo already (on CPU)."""
+    import torch.distributed as dist
+
+    return None if dist.get_backend() == "gloo" else _gloo_beside(dist.group.WORLD)
+
+
+def set_lr(optimizer, lr: float) -> None:
+    """The step's learning rate into each group: written into the optimizer's tensor where it has one (model.adamw),
+    a copy from the host rather than a new constant in the step's program; else the float."""
+    import torch
+
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].copy_(torch.tensor(lr, dtype=group["lr"].dtype))
+        else:
+            group["lr"] = lr
 
 
 def train_step(model, optimizer, micro_batches: list, lr: float, max_grad_norm: float, packing: bool, device,
@@ -115,29 +147,30 @@ def train_step(model, optimizer, micro_batches: list, lr: float, max_grad_norm: 
     """One optimizer step over one global batch (this rank's micro-batches, and every other rank's).
 
     The loss is the sum of every predicted token's loss over the global batch divided by their
-    global count, which one all-reduce gives before any backward pass; FSDP sums the gradients
-    over ranks (model.apply_fsdp), so nothing divides twice. The same all-reduce carries this rank's
-    request to stop (`stop`: SIGTERM) and its preemption notice (`preempted`), from stopping.py.
+    global count, which one all-reduce of the hosts' counts gives before any backward pass; FSDP sums the
+    gradients over ranks (model.apply_fsdp), so nothing divides twice. The same all-reduce carries this rank's
+    request to stop (`stop`: SIGTERM) and its preemption notice (`preempted`), from stopping.py. Nothing is read
+    back from the device.
     """
+    import numpy as np
     import torch
     import torch.distributed as dist
 
-    predicted = sum(int(predicted_tokens(b[2])) for b in micro_batches)
-    real = sum(int(b[1].sum()) for b in micro_batches)
-    counts = torch.tensor([predicted, real, float(stop), float(preempted)], dtype=torch.float32, device=device)
-    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    counts = torch.from_numpy(np.array([*host_counts(micro_batches), stop, preempted], dtype=np.float64))
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=host_group())
+    total = tuple(counts.numpy().tolist())
+    divisor = torch.tensor(max(total[0], 1.0), dtype=torch.float32).to(device)
+    set_lr(optimizer, lr)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for batch in micro_batches:
         summed = model(**model_inputs(batch, packing, device))
-        (summed / counts[0].clamp(min=1)).backward()
+        (summed / divisor).backward()
         loss_sum += summed.detach().float()
     trainable = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = clip_grad_norm(trainable, max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum, predicted, real, grad_norm, lr, counts)
+    return StepResult(loss_sum, grad_norm, lr, total)
 
 
 def global_sum(*values: float, device=None) -> list[float]:

@@ -91,31 +91,31 @@ def resumed_state(saved: dict, world: int) -> RunState:
 
 
 class TokenSums:
-    """This rank's token loss, predicted and real tokens since the last read, kept on the device (float64 on
-    CPU, float32 elsewhere): adding a step reads nothing back. `read` sums them over every rank with one
-    all-reduce, then starts again."""
+    """The token loss since the last read, kept on the device (this rank's; float64 on CPU, float32 elsewhere), and
+    the predicted and real tokens on the host (the step's global counts already), with the last step's gradient
+    norm: adding a step reads nothing back. `read` sums the loss over every rank with one all-reduce and reads it
+    with the gradient norm (the only device reads, once a line or a save needs them), then starts again."""
 
     def __init__(self, device):
         import torch
 
-        self.device, self.steps = device, 0
+        self.device, self.steps, self.predicted, self.real = device, 0, 0.0, 0.0
         self.dtype = torch.float64 if device.type == "cpu" else torch.float32
-        self.acc = torch.zeros(3, dtype=self.dtype, device=device)
+        self.loss = torch.zeros((), dtype=self.dtype, device=device)
 
     def add(self, result) -> None:
-        self.acc[0] += result.loss_sum.to(self.dtype)
-        self.acc[1] += result.predicted  # host counts: no device read
-        self.acc[2] += result.real
+        self.loss += result.loss_sum.to(self.dtype)
+        self.predicted += result.counts[0]
+        self.real += result.counts[1]
         self.steps += 1
 
     def read(self, seconds: float) -> Sums:
         import torch.distributed as dist
 
-        dist.all_reduce(self.acc, op=dist.ReduceOp.SUM)
-        loss, predicted, real = self.acc.tolist()
-        sums = Sums(loss, predicted, real, self.steps, seconds)
-        self.acc.zero_()
-        self.steps = 0
+        dist.all_reduce(self.loss, op=dist.ReduceOp.SUM)
+        sums = Sums(float(self.loss), self.predicted, self.real, self.steps, seconds)
+        self.loss.zero_()
+        self.steps, self.predicted, self.real = 0, 0.0, 0.0
         return sums
 
 

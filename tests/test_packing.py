@@ -92,6 +92,28 @@ def test_a_record_in_a_packed_row_sees_only_itself(tiny):
             at += len(ids)
 
 
+def test_packed_rows_keep_their_masks_without_asking_the_device_whether_they_are_packed(tiny, monkeypatch):
+    """model.packed_masks_without_host_reads: one document or several, a row's logits are transformers' own."""
+    from model import packed_masks_without_host_reads
+    from transformers import masking_utils
+
+    model, tokenizer = tiny
+    docs = walkthrough_docs([{"instruction": "Explain bees.", "response": "Bees are warm and early."}] * 3, tokenizer)
+    packed = packed_examples(docs, 64, tokenizer.pad_token_id, seed=0).tensors
+    single = packed_examples(docs[:1], len(docs[0][0]), tokenizer.pad_token_id, seed=0).tensors
+    rows = [{k: v for k, v in model_inputs(r, True, "cpu").items() if k != "labels"} for r in (packed, single)]
+    found = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", getattr(found, "original", found))
+    with torch.no_grad():
+        assert masking_utils.find_packed_sequence_indices(rows[1]["position_ids"]) is None  # transformers' own
+        before = [model(**r).logits for r in rows]
+        packed_masks_without_host_reads()
+        assert masking_utils.find_packed_sequence_indices(rows[1]["position_ids"]).eq(0).all()  # not None
+        after = [model(**r).logits for r in rows]
+    for a, b in zip(before, after, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_the_equivalence_check_bites_without_the_packed_positions(tiny):
     model, tokenizer = tiny
     docs = walkthrough_docs([{"instruction": "Explain bees.", "response": "Bees are warm."}] * 2, tokenizer)

@@ -174,3 +174,73 @@ def test_progress_puts_tensorboard_in_the_run_storage_and_keeps_no_local_copy(gl
     (text,) = scalars.Tensors("samples/0/text_summary")
     assert text.step == 2 and b"**model:** The Nile." in text.tensor_proto.string_val[0]
     assert local.exists() is False
+
+
+class DeviceReads:
+    """Counts what makes the host wait for a device value: `aten._local_scalar_dense` (float(), int(), bool(),
+    .item() of a tensor) under a TorchDispatchMode, and Tensor.tolist, which reads without dispatching. Reading
+    a CPU batch with numpy (host data) is not counted."""
+
+    def __init__(self, monkeypatch):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.count, counter = 0, self
+        tolist = torch.Tensor.tolist
+
+        def counted_tolist(tensor):
+            counter.count += 1
+            return tolist(tensor)
+
+        monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    counter.count += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+
+def test_no_step_reads_the_device_between_progress_lines(tiny_assets, gloo_rank, monkeypatch):
+    """TorchTPU's fused eager mode runs what it recorded at each read: a step that reads nothing stays one program.
+    Six steps, one progress line (at the last): the five steps before it read nothing, clipping included."""
+    from tests.inprocess import run
+
+    reads = DeviceReads(monkeypatch)
+    marks = []
+    config = settings(tiny_assets, "--max-steps", "6", "--eval-every", "0", "--save-every", "0", "--batch-size", "2")
+    with reads.mode:
+        run(config, on_step=lambda step, result: marks.append(reads.count))
+    assert len(marks) == 6 and config.max_grad_norm > 0
+    assert [b - a for a, b in zip(marks, marks[1:], strict=False)] == [0] * 5
+
+
+def test_the_learning_rate_as_a_device_tensor_trains_as_the_float_did(tiny_assets, gloo_rank, monkeypatch):
+    """Fused AdamW with a tensor rate written each step, against torch's default AdamW with the float rate."""
+    import model
+    import torch
+
+    from tests.inprocess import StepRecorder, run
+
+    config = settings(tiny_assets, "--max-steps", "6", "--eval-every", "0", "--save-every", "0", "--batch-size", "2")
+    tensor = StepRecorder()
+    run(config, on_step=tensor)
+    assert isinstance(model.adamw(*_one_trainee(config)).param_groups[0]["lr"], torch.Tensor)
+    monkeypatch.setattr(model, "adamw", lambda trainee, s: torch.optim.AdamW(
+        [p for p in trainee.model.parameters() if p.requires_grad], lr=s.lr, weight_decay=s.weight_decay))  # fmt: skip
+    floats = StepRecorder()
+    run(config, on_step=floats)
+    assert tensor.losses == pytest.approx(floats.losses, rel=1e-6, abs=0)
+    # the first step's gradient comes before any update, the second's after one; later, the fused kernel's float32
+    # arithmetic (the rate over the bias correction, in another order) has moved the weights by rounding alone
+    assert tensor.grad_norms[:2] == pytest.approx(floats.grad_norms[:2], rel=1e-6, abs=0)
+    assert tensor.grad_norms == pytest.approx(floats.grad_norms, rel=1e-4, abs=0)
+
+
+def _one_trainee(config):
+    from tests.inprocess import build
+
+    trainee, _ = build(config)
+    return trainee, config
