@@ -63,7 +63,9 @@ class Backend:
     def prepare(self) -> None:
         """Per-process setup, before the first collective."""
         if self.name == "tpu":
-            import torch_tpu  # noqa: F401  (registers the tpu device and the tpu_dist backend)
+            import torch_tpu_api
+
+            torch_tpu_api.register()
         elif self.name == "cuda":
             import torch
 

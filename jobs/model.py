@@ -19,6 +19,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch_tpu_api
 from checkpoints import is_sharded
 from lora import TARGET_PATTERN
 from memory_plan import ModelShape, shape_of
@@ -26,8 +27,9 @@ from recipe import token_loss_sum
 from render import end_of_turn_id, load_tokenizer
 
 
-def load_model(ref: str, dtype: str = "bfloat16"):
-    """In the compute dtype (so the unsharded per-layer table matches), eager attention, text only, no KV cache."""
+def load_model(ref: str, dtype: str = "bfloat16", attention: str = "eager"):
+    """In the compute dtype (so the unsharded per-layer table matches), text only, no KV cache; `attention` is
+    transformers' attn_implementation (eager or sdpa)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     token = os.environ.get("HF_TOKEN")
@@ -36,7 +38,7 @@ def load_model(ref: str, dtype: str = "bfloat16"):
         if hasattr(config, tower):
             setattr(config, tower, None)
     model = AutoModelForCausalLM.from_pretrained(
-        ref, config=config, dtype=getattr(torch, dtype), attn_implementation="eager", token=token
+        ref, config=config, dtype=getattr(torch, dtype), attn_implementation=attention, token=token
     )
     model.config.use_cache = False
     return model
@@ -73,14 +75,15 @@ class TokenLoss(torch.nn.Module):
     logits at a time; 0: all at once). The FSDP root, so the tied head it reads is the root's unsharded
     weight, gathered once for the step, with no copy."""
 
-    def __init__(self, causal_lm, loss_chunk: int):
+    def __init__(self, causal_lm, loss_chunk: int, attention_kernels=nullcontext):
         super().__init__()
-        self.causal_lm, self.loss_chunk = causal_lm, loss_chunk
+        self.causal_lm, self.loss_chunk, self.attention_kernels = causal_lm, loss_chunk, attention_kernels
         self.softcap = causal_lm.config.get_text_config().final_logit_softcapping
 
     def forward(self, input_ids, labels, attention_mask=None, position_ids=None):
-        out = self.causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   use_cache=False)  # fmt: skip
+        with self.attention_kernels():
+            out = self.causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                       use_cache=False)  # fmt: skip
         return token_loss_sum(out.last_hidden_state, self.causal_lm.lm_head.weight, labels, self.softcap,
                               self.loss_chunk)  # fmt: skip
 
@@ -158,8 +161,17 @@ def load_model_and_tokenizer(settings, dtype: str, restored):
     with restored.as_directory() if full else nullcontext(None) as restored_dir:
         source = restored_dir or settings.model
         tokenizer = load_tokenizer(settings.tokenizer or source)
-        model = load_model(source, dtype)
+        model = load_model(source, dtype, settings.attention)
     return model, tokenizer
+
+
+def flash_on_tpu():
+    """SDPA's OVERRIDEABLE backend, which TorchTPU fills with its flash (splash) kernel: how Google's newer TorchTPU
+    sample runs attention (as issue 36 reports it; not read here). Whether that kernel takes Gemma 4's 512-wide
+    global heads is not known (FlashAttention rejects them: ../shared/FACTS.md), so TPU runs default to eager."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.OVERRIDEABLE])
 
 
 def packed_masks_without_host_reads() -> None:
@@ -195,18 +207,19 @@ def build_model(settings, backend, dtype: str, world: int, restored) -> Trainee:
         apply_activation_checkpointing(model)
     model.to(backend.device())
     mesh = device_mesh(backend.device_type, world, settings.num_slices)
-    root = apply_fsdp(TokenLoss(model, settings.loss_chunk), mesh, ignored={frozen}, dtype=dtype)
+    kernels = flash_on_tpu if backend.name == "tpu" and settings.attention == "sdpa" else nullcontext
+    root = apply_fsdp(TokenLoss(model, settings.loss_chunk, kernels), mesh, ignored={frozen}, dtype=dtype)
     root.train()  # (from_pretrained gives eval mode, where transformers skips activation checkpointing)
     return Trainee(root, model, tokenizer, lora, shape)
 
 
 def adamw(trainee: Trainee, settings) -> torch.optim.Optimizer:
-    """AdamW over what is trainable (everything but the per-layer table, or LoRA's adapters). Off TPU, torch's
-    fused AdamW, its learning rate a device tensor each step writes into (step.set_lr): no program's constant
-    changes from step to step, and its step counts stay on the device (torch/optim/adam.py's default path reads
-    each with .item()). On TPU, torch's default AdamW with a float rate until TorchTPU's own is wired in."""
+    """AdamW over what is trainable (everything but the per-layer table, or LoRA's adapters), its learning rate a
+    device tensor each step writes into (step.set_lr): no program's constant changes from step to step. On TPU,
+    TorchTPU's own AdamW (torch_tpu_api); elsewhere torch's fused one, whose step counts stay on the device
+    (torch/optim/adam.py's default path reads each with .item())."""
     trainable = [p for p in trainee.model.parameters() if p.requires_grad]
-    if settings.backend == "tpu":
-        return torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
     lr = torch.tensor(settings.lr, dtype=torch.float32, device=trainable[0].device)
+    if settings.backend == "tpu":
+        return torch_tpu_api.adamw(trainable, lr, settings.weight_decay)
     return torch.optim.AdamW(trainable, lr=lr, weight_decay=settings.weight_decay, fused=True)

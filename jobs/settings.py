@@ -34,6 +34,7 @@ from splits import EXAMPLES, eval_split_problem, is_split
 from tpu_generations import ACCELERATOR_TYPES, by_accelerator_type, chips_of, is_topology
 
 RECIPES = ("default", "walkthrough")
+ATTENTION = ("eager", "sdpa")  # transformers' attn_implementation
 DEFAULT_RUN_PREFIX = "torchtpu_gemma4_fsdp2_sft_"
 DEFAULT_STORAGE = "$STORAGE_PATH, else ~/ray_results"
 
@@ -105,6 +106,10 @@ class FinetuneSettings:
                                    key="maxGradNorm", low=0, recipes={"default": 1.0, "walkthrough": 0.0})  # fmt: skip
     weight_decay: float = setting(0.01, "AdamW's decoupled weight decay", key="weightDecay", low=0, high=1,
                                   high_why="a decay this strong erases the weights within a few steps")  # fmt: skip
+    attention: str = setting("eager", "attention: eager (the scores made whole, as the walkthrough) or sdpa (torch's "
+                             "scaled_dot_product_attention; on TPU under sdpa_kernel(OVERRIDEABLE), TorchTPU's flash "
+                             "kernel, unproven for Gemma 4's 512-wide global heads)", key="attention",
+                             choices=ATTENTION)  # fmt: skip
     loss_chunk: int = setting(None, "tokens per chunk of the cross-entropy: the [tokens x vocabulary] logits are "
                               "made and freed one chunk at a time; 0: the full logits at once", key="lossChunk",
                               low=0, high=1048576, high_why="more than a step holds is the full logits anyway",

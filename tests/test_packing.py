@@ -60,21 +60,27 @@ def test_packed_batches_carry_positions_and_no_mask():
     assert set(model_inputs(batch, False, "cpu")) == {"input_ids", "attention_mask", "labels"}
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_assets):
+def tiny_model(tiny_assets, attention: str):
     """The tiny Gemma 4 in fp32 with a sliding window (4) shorter than every record."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     config = AutoConfig.from_pretrained(tiny_assets["model"])
     config.text_config.sliding_window = 4
     model = AutoModelForCausalLM.from_pretrained(
-        tiny_assets["model"], config=config, dtype=torch.float32, attn_implementation="eager"
+        tiny_assets["model"], config=config, dtype=torch.float32, attn_implementation=attention
     ).eval()
     return model, AutoTokenizer.from_pretrained(tiny_assets["model"])
 
 
-def test_a_record_in_a_packed_row_sees_only_itself(tiny):
-    model, tokenizer = tiny
+@pytest.fixture(scope="module")
+def tiny(tiny_assets):
+    return tiny_model(tiny_assets, "eager")
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_record_in_a_packed_row_sees_only_itself(attention, tiny, tiny_assets):
+    model, tokenizer = tiny if attention == "eager" else tiny_model(tiny_assets, attention)
+    assert model.config.get_text_config()._attn_implementation == attention
     records = [{"instruction": f"Describe {s}.", "response": f"The {s} is warm and {s} often {w}."}
                for s, w in [("bees", "early"), ("tides", "late"), ("comets", "slowly"), ("chess", "small")]]  # fmt: skip
     docs = walkthrough_docs(records, tokenizer)
