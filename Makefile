@@ -42,6 +42,7 @@ bench: $(INSTALLED)
 	$(BIN)/python -m bench.finetune
 	$(BIN)/python -m bench.checkpoint_writes
 	$(BIN)/python -m bench.data
+	$(BIN)/python -m bench.step
 
 clean:
 	rm -rf $(VENV) .pytest_cache .local

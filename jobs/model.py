@@ -70,6 +70,21 @@ def apply_activation_checkpointing(model) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def apply_compile(model, backend: str) -> None:
+    """torch.compile each decoder layer in place (Module.compile: the same module, so FSDP2 wraps it and the
+    checkpoints' names do not change), as torchtitan compiles each block; dynamic=False, packed rows keeping every
+    step's shapes. Evals and sample answers run eager (training_run.TrainingRun.evaluate)."""
+    for layer in language_model(model).layers:
+        layer.compile(dynamic=False, backend=backend)
+
+
+def compiles() -> int:
+    """Frames torch.compile has compiled in this process (torch._dynamo's counters): what grows on a recompile."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]
+
+
 class TokenLoss(torch.nn.Module):
     """The training forward: the sum of the model's token losses, never its logits (loss_chunk tokens of
     logits at a time; 0: all at once). The FSDP root, so the tied head it reads is the root's unsharded
@@ -205,6 +220,8 @@ def build_model(settings, backend, dtype: str, world: int, restored) -> Trainee:
     lora = apply_lora(model, settings.lora_rank, settings.lora_alpha) if settings.lora else None
     if settings.activation_checkpointing:
         apply_activation_checkpointing(model)
+    if settings.compile:
+        apply_compile(model, torch_tpu_api.COMPILE_BACKEND if backend.name == "tpu" else "inductor")
     model.to(backend.device())
     mesh = device_mesh(backend.device_type, world, settings.num_slices)
     kernels = flash_on_tpu if backend.name == "tpu" and settings.attention == "sdpa" else nullcontext

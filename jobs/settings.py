@@ -131,6 +131,9 @@ class FinetuneSettings:
     activation_checkpointing: bool = setting(False, "recompute each decoder layer's activations in the backward "
                                              "pass instead of keeping them: far less memory for about a third "
                                              "more compute; the same losses", key="activationCheckpointing")  # fmt: skip
+    compile: bool = setting(False, "torch.compile each decoder layer (dynamic=False: packed rows keep every step's "
+                            "shapes; TorchTPU's compiler on TPU, inductor elsewhere); the first step compiles, and "
+                            "the progress line counts any compile after it", key="compile")  # fmt: skip
     lora: bool = setting(False, "train LoRA adapters on the q/k/v/o and gate/up/down projections instead of every "
                          "weight: the base stays frozen; the export merges them and writes them alone to adapter/",
                          key="lora")  # fmt: skip

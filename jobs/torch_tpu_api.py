@@ -16,7 +16,10 @@ READ_IN = {
     "torch.optim.AdamW with its states made on the device at construction",
     "torch_tpu._internal.optim.patch_optimizer_graph_breaks": "torch_tpu/_internal/optim/__init__.py, from "
     "_internal/optim/patch.py: removes the graph break torch's optimizers insert for dynamo",
+    "COMPILE_BACKEND": "torch_tpu/_internal/compile/__init__.py registers TpuBackend() as torch.compile's 'tpu' "
+    "(and torch_tpu/_loader.py warns that 'inductor' on TPU is experimental)",
 }
+COMPILE_BACKEND = "tpu"
 
 
 def register() -> None:

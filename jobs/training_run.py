@@ -131,13 +131,14 @@ class Progress:
     board: object = None
     steps_per_epoch: int = 0
 
-    def line(self, done: int, sums: Sums, lr: float, grad_norm: float) -> None:
+    def line(self, done: int, sums: Sums, lr: float, grad_norm: float, recompiles: int | None = None) -> None:
         values = {"loss": sums.mean_loss, "lr": lr, "grad_norm": grad_norm,
                   "real_tokens_per_s": sums.real / sums.seconds if sums.seconds else 0.0}  # fmt: skip
         if self.rank != 0:
             return
+        compiled = "" if recompiles is None else f"  recompiles {recompiles}"
         worker_print(f"{self.where(done)}  loss {values['loss']:.4f}  lr {values['lr']:.3g}  "
-                     f"grad_norm {values['grad_norm']:.3f}  real tok/s {values['real_tokens_per_s']:,.0f}")  # fmt: skip
+                     f"grad_norm {values['grad_norm']:.3f}  real tok/s {values['real_tokens_per_s']:,.0f}{compiled}")  # fmt: skip
         if self.board is not None:
             for name, value in values.items():
                 self.board.add_scalar(f"train/{name}", value, done)
@@ -217,6 +218,7 @@ class TrainingRun:
         self.sums = TokenSums(device)
         self.clock = time.perf_counter()  # training time since the last read of the sums (evals left out)
         self.last = None  # the last step's StepResult
+        self.compiled = None  # with settings.compile: the frames torch.compile had compiled by the first step's end
 
     def run(self, state: RunState, epochs: int | None = None) -> RunState:
         """From `state` (resumed_state's) to the last planned step, or the end of epoch `epochs` (for a test)."""
@@ -234,6 +236,10 @@ class TrainingRun:
                                    settings.max_grad_norm, settings.packing, self.device, stopping.requested(),
                                    notice is not None)  # fmt: skip
             self.sums.add(self.last)
+            if settings.compile and self.compiled is None:
+                from model import compiles
+
+                self.compiled = compiles()
             if self.hooks.on_step is not None:
                 self.hooks.on_step(state.step, self.last)
             state = replace(state, step=state.step + 1)
@@ -263,7 +269,7 @@ class TrainingRun:
         if progress.due(step) or eval_due or save_due:
             state = self.read_sums(state)
         if progress.due(step):
-            progress.line(step, state.line_sums, self.last.lr, float(self.last.grad_norm))
+            progress.line(step, state.line_sums, self.last.lr, float(self.last.grad_norm), self.recompiles())
             state = replace(state, line_sums=Sums())
         held_out = {}
         if eval_due:
@@ -290,7 +296,7 @@ class TrainingRun:
                    "steps": sums.steps, "lr": self.last.lr, "grad_norm": float(self.last.grad_norm)}  # fmt: skip
         metrics = self.hooks.epoch_metrics(epoch, trained, held_out, sums.seconds) | {
             "step": step, "share": step / self.schedule.total_steps,
-        }  # fmt: skip
+        } | ({} if self.compiled is None else {"recompiles": self.recompiles()})  # fmt: skip
         self.hooks.progress.epoch(metrics)
         state = replace(state, epoch=epoch, history=(*state.history, metrics), epoch_sums=Sums())
         whole = step == epoch * self.data.steps
@@ -307,16 +313,26 @@ class TrainingRun:
             "eval_loss": state.evals[-1]["eval_loss"] if state.evals else math.inf,  # no eval yet: the worst score
         }
 
+    def recompiles(self) -> int | None:
+        """Compiles since the first step's (None without settings.compile): a run whose shapes or constants change
+        from step to step shows it here at once."""
+        from model import compiles
+
+        return None if self.compiled is None else compiles() - self.compiled
+
     def evaluate(self, step: int) -> dict:
-        """The held-out loss (if there is an eval split) and greedy answers to its first prompts."""
+        """The held-out loss (if there is an eval split) and greedy answers to its first prompts, eager: under
+        settings.compile, no_grad and generation's growing shapes would each compile the layers again."""
+        import torch
         from samples import answer
 
         data, settings = self.data, self.settings
         held_out = {}
-        if data.eval is not None:
-            held_out = evaluate(self.trainee.loss, data.eval, settings.batch_size, settings.packing, self.rank,
-                                self.world, self.device)  # fmt: skip
-        samples = answer(self.trainee, self.prompts, self.device, self.world) if self.prompts else []
+        with torch.compiler.set_stance("force_eager"):
+            if data.eval is not None:
+                held_out = evaluate(self.trainee.loss, data.eval, settings.batch_size, settings.packing, self.rank,
+                                    self.world, self.device)  # fmt: skip
+            samples = answer(self.trainee, self.prompts, self.device, self.world) if self.prompts else []
         if self.hooks.samples is not None and samples:
             self.hooks.samples.add(step, samples)
         self.hooks.progress.evaluated(step, held_out, samples)

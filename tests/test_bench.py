@@ -7,6 +7,7 @@ from pathlib import Path
 from bench import checkpoint_writes
 from bench import data as data_bench
 from bench import finetune as bench
+from bench import step as step_bench
 
 
 def test_the_dolly_mix_pads_like_dolly_with_gemma(tmp_path):
@@ -63,3 +64,14 @@ def test_checkpoint_write_bench_smoke_prints_the_ratio(capsys):
     printed = capsys.readouterr().out
     assert set(out["seconds"]) == {"defaults (1 file, 5 MiB blocks)", "the jobs' (jobs/storage.py)"}
     assert out["ratio"] > 0 and "the jobs' / defaults" in printed and "MB/s" in printed
+
+
+def test_step_bench_smoke_prints_the_compile_ratio_and_the_reads_per_step(ray_head, tmp_path, capsys):
+    smoke = ["--size", "tiny", "--rows", "32", "--epochs", "1", "--seq-len", "128", "--workers", "1", "--steps", "3"]
+    out = step_bench.main(["--out", str(tmp_path), *smoke], head=ray_head)
+    printed = capsys.readouterr().out
+    eager, compiled = out["runs"].values()
+    assert "recompiles" not in eager["metrics"] and compiled["metrics"]["recompiles"] == 0
+    assert out["compile_ratio"] == compiled["metrics"]["step_time_s"] / eager["metrics"]["step_time_s"]
+    assert out["reads"]["now"] == 0 and out["reads"]["before"] >= 3  # the norm, the counts, transformers' check
+    assert "compile / eager" in printed and "device reads per step" in printed and "x an eager one's" in printed
