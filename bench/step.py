@@ -42,7 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class Reads:
-    """What makes a host wait for a device value, counted (tests/test_recipe.py counts the same)."""
+    """What makes a host wait for a device value, counted: `aten._local_scalar_dense` (float(), int(), bool(),
+    .item() of a tensor) under a TorchDispatchMode, and Tensor.tolist, which reads without dispatching. Reading a
+    CPU batch with numpy (host data) is not counted. tests/test_recipe.py uses it too."""
 
     def __init__(self):
         import torch

@@ -92,9 +92,9 @@ def resumed_state(saved: dict, world: int) -> RunState:
 
 class TokenSums:
     """The token loss since the last read, kept on the device (this rank's; float64 on CPU, float32 elsewhere), and
-    the predicted and real tokens on the host (the step's global counts already), with the last step's gradient
-    norm: adding a step reads nothing back. `read` sums the loss over every rank with one all-reduce and reads it
-    with the gradient norm (the only device reads, once a line or a save needs them), then starts again."""
+    the predicted and real tokens on the host (the steps' global counts already): adding a step reads nothing
+    back. `read` sums the loss over every rank with one all-reduce and reads it (with the progress line's
+    gradient norm, the only device reads, once a line or a save needs them), then starts again."""
 
     def __init__(self, device):
         import torch

@@ -24,12 +24,14 @@ def fresh_python(code: str) -> subprocess.CompletedProcess:
 
 
 def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, anywhere in it, and every name it imports from one (`from X import Y`: X
+    and X.Y)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
     return found
 
 
@@ -194,17 +196,6 @@ def test_every_component_takes_a_name_typed_args_and_options():
         assert dataclasses.is_dataclass(args) and keyword_only, (component, args)
 
 
-def imported_names(path: Path) -> set[str]:
-    """Every module a file imports, and every name it imports from one (`from X import Y`: X and X.Y)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
-    return found
-
-
 def test_every_torch_tpu_name_is_called_from_one_module_that_says_where_it_read_it():
     """torch-tpu cannot run here: each name the jobs call is listed with the wheel's file it was read in."""
     import importlib
@@ -216,8 +207,8 @@ def test_every_torch_tpu_name_is_called_from_one_module_that_says_where_it_read_
     others = [p for p in (ROOT / "jobs").glob("*.py") if p.name != "torch_tpu_api.py"] + list(
         ROOT.glob("infra/**/*.py")
     )
-    assert [p.name for p in others if any(m.split(".")[0] == "torch_tpu" for m in imported_names(p))] == []
-    called = {m for m in imported_names(ROOT / "jobs" / "torch_tpu_api.py") if m.split(".")[0] == "torch_tpu"}
+    assert [p.name for p in others if any(m.split(".")[0] == "torch_tpu" for m in imported_modules(p))] == []
+    called = {m for m in imported_modules(ROOT / "jobs" / "torch_tpu_api.py") if m.split(".")[0] == "torch_tpu"}
     called -= {m.rsplit(".", 1)[0] for m in called if m.count(".") > 1}  # a `from X import Y`'s X
     source = (ROOT / "jobs" / "torch_tpu_api.py").read_text()
     assert called <= set(torch_tpu_api.READ_IN) and all(name.rsplit(".", 1)[-1] in source.split("READ_IN")[-1]

@@ -176,42 +176,15 @@ def test_progress_puts_tensorboard_in_the_run_storage_and_keeps_no_local_copy(gl
     assert local.exists() is False
 
 
-class DeviceReads:
-    """Counts what makes the host wait for a device value: `aten._local_scalar_dense` (float(), int(), bool(),
-    .item() of a tensor) under a TorchDispatchMode, and Tensor.tolist, which reads without dispatching. Reading
-    a CPU batch with numpy (host data) is not counted."""
-
-    def __init__(self, monkeypatch):
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        self.count, counter = 0, self
-        tolist = torch.Tensor.tolist
-
-        def counted_tolist(tensor):
-            counter.count += 1
-            return tolist(tensor)
-
-        monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func is torch.ops.aten._local_scalar_dense.default:
-                    counter.count += 1
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Mode()
-
-
-def test_no_step_reads_the_device_between_progress_lines(tiny_assets, gloo_rank, monkeypatch):
+def test_no_step_reads_the_device_between_progress_lines(tiny_assets, gloo_rank):
     """TorchTPU's fused eager mode runs what it recorded at each read: a step that reads nothing stays one program.
     Six steps, one progress line (at the last): the five steps before it read nothing, clipping included."""
+    from bench.step import Reads
     from tests.inprocess import run
 
-    reads = DeviceReads(monkeypatch)
     marks = []
     config = settings(tiny_assets, "--max-steps", "6", "--eval-every", "0", "--save-every", "0", "--batch-size", "2")
-    with reads.mode:
+    with Reads() as reads:
         run(config, on_step=lambda step, result: marks.append(reads.count))
     assert len(marks) == 6 and config.max_grad_norm > 0
     assert [b - a for a, b in zip(marks, marks[1:], strict=False)] == [0] * 5
