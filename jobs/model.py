@@ -78,11 +78,14 @@ def apply_compile(model, backend: str) -> None:
         layer.compile(dynamic=False, backend=backend)
 
 
-def compiles() -> int:
-    """Frames torch.compile has compiled in this process (torch._dynamo's counters): what grows on a recompile."""
+def compile_counts(settings) -> dict[str, int]:
+    """What grows when a step compiles again: with settings.compile, the frames torch.compile has compiled
+    (torch._dynamo's counters); on TPU, TorchTPU's program-cache misses (fused eager's programs too)."""
     from torch._dynamo.utils import counters
 
-    return counters["frames"]["total"]
+    counts = {"recompiles": counters["frames"]["total"]} if settings.compile else {}
+    misses = torch_tpu_api.cache_misses() if settings.backend == "tpu" else None
+    return counts if misses is None else counts | {"program_cache_misses": misses}
 
 
 class TokenLoss(torch.nn.Module):

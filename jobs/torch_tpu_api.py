@@ -18,6 +18,8 @@ READ_IN = {
     "_internal/optim/patch.py: removes the graph break torch's optimizers insert for dynamo",
     "COMPILE_BACKEND": "torch_tpu/_internal/compile/__init__.py registers TpuBackend() as torch.compile's 'tpu' "
     "(and torch_tpu/_loader.py warns that 'inductor' on TPU is experimental)",
+    "torch.tpu._get_cache_misses": "torch_tpu/_internal/device/_device_module.py, _DeviceModule._get_cache_misses "
+    "(private: looked up, never assumed): the programs TorchTPU had to compile, fused eager's and compile's alike",
 }
 COMPILE_BACKEND = "tpu"
 
@@ -34,3 +36,12 @@ def adamw(params: list, lr, weight_decay: float):
 
     patch_optimizer_graph_breaks()
     return AdamW(params, lr=lr, weight_decay=weight_decay, capturable=True)
+
+
+def cache_misses() -> int | None:
+    """TorchTPU's program-cache misses so far (each one a program compiled), or None where the installed torch-tpu
+    has no such count (it is private API) or this is no TPU process."""
+    import torch
+
+    misses = getattr(getattr(torch, "tpu", None), "_get_cache_misses", None)
+    return None if misses is None else int(misses())

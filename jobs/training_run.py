@@ -131,12 +131,12 @@ class Progress:
     board: object = None
     steps_per_epoch: int = 0
 
-    def line(self, done: int, sums: Sums, lr: float, grad_norm: float, recompiles: int | None = None) -> None:
+    def line(self, done: int, sums: Sums, lr: float, grad_norm: float, compiles: dict | None = None) -> None:
         values = {"loss": sums.mean_loss, "lr": lr, "grad_norm": grad_norm,
                   "real_tokens_per_s": sums.real / sums.seconds if sums.seconds else 0.0}  # fmt: skip
         if self.rank != 0:
             return
-        compiled = "" if recompiles is None else f"  recompiles {recompiles}"
+        compiled = "".join(f"  {name.replace('_', ' ')} {count}" for name, count in (compiles or {}).items())
         worker_print(f"{self.where(done)}  loss {values['loss']:.4f}  lr {values['lr']:.3g}  "
                      f"grad_norm {values['grad_norm']:.3f}  real tok/s {values['real_tokens_per_s']:,.0f}{compiled}")  # fmt: skip
         if self.board is not None:
@@ -218,7 +218,7 @@ class TrainingRun:
         self.sums = TokenSums(device)
         self.clock = time.perf_counter()  # training time since the last read of the sums (evals left out)
         self.last = None  # the last step's StepResult
-        self.compiled = None  # with settings.compile: the frames torch.compile had compiled by the first step's end
+        self.compiled = None  # model.compile_counts at the first step's end
 
     def run(self, state: RunState, epochs: int | None = None) -> RunState:
         """From `state` (resumed_state's) to the last planned step, or the end of epoch `epochs` (for a test)."""
@@ -236,10 +236,10 @@ class TrainingRun:
                                    settings.max_grad_norm, settings.packing, self.device, stopping.requested(),
                                    notice is not None)  # fmt: skip
             self.sums.add(self.last)
-            if settings.compile and self.compiled is None:
-                from model import compiles
+            if self.compiled is None:
+                from model import compile_counts
 
-                self.compiled = compiles()
+                self.compiled = compile_counts(settings)
             if self.hooks.on_step is not None:
                 self.hooks.on_step(state.step, self.last)
             state = replace(state, step=state.step + 1)
@@ -296,7 +296,7 @@ class TrainingRun:
                    "steps": sums.steps, "lr": self.last.lr, "grad_norm": float(self.last.grad_norm)}  # fmt: skip
         metrics = self.hooks.epoch_metrics(epoch, trained, held_out, sums.seconds) | {
             "step": step, "share": step / self.schedule.total_steps,
-        } | ({} if self.compiled is None else {"recompiles": self.recompiles()})  # fmt: skip
+        } | self.recompiles()  # fmt: skip
         self.hooks.progress.epoch(metrics)
         state = replace(state, epoch=epoch, history=(*state.history, metrics), epoch_sums=Sums())
         whole = step == epoch * self.data.steps
@@ -313,12 +313,13 @@ class TrainingRun:
             "eval_loss": state.evals[-1]["eval_loss"] if state.evals else math.inf,  # no eval yet: the worst score
         }
 
-    def recompiles(self) -> int | None:
-        """Compiles since the first step's (None without settings.compile): a run whose shapes or constants change
-        from step to step shows it here at once."""
-        from model import compiles
+    def recompiles(self) -> dict[str, int]:
+        """Compiles since the first step's (model.compile_counts; none without settings.compile off TPU): a run
+        whose shapes or constants change from step to step shows it here at once."""
+        from model import compile_counts
 
-        return None if self.compiled is None else compiles() - self.compiled
+        now = compile_counts(self.settings)
+        return {name: count - self.compiled[name] for name, count in now.items()} if self.compiled else {}
 
     def evaluate(self, step: int) -> dict:
         """The held-out loss (if there is an eval split) and greedy answers to its first prompts, eager: under

@@ -250,3 +250,27 @@ def test_compiled_layers_train_as_eager_ones_and_compile_once(tiny_assets, gloo_
     assert losses["--compile"] == pytest.approx(losses["--no-compile"], rel=1e-4)
     assert [h["recompiles"] for h in states["--compile"].history] == [0]
     assert ["recompiles" in h for h in states["--no-compile"].history] == [False]
+
+
+def test_on_tpu_the_program_cache_misses_are_counted_where_torch_tpu_keeps_them(monkeypatch):
+    """TorchTPU's fused eager mode compiles a program per new shape or constant: its cache misses (torch.tpu's
+    _get_cache_misses in torch-tpu 0.2.0, _internal/device/_device_module.py; private, so looked up) join the
+    counts; a torch-tpu without them adds nothing."""
+    from types import SimpleNamespace
+
+    import torch
+    from command_line import from_args, parse_args
+    from model import compile_counts
+    from training_run import Progress, Sums
+
+    tpu = from_args(parse_args([]))  # the default backend: tpu
+    misses = iter([5, 7])
+    monkeypatch.setattr(torch, "tpu", SimpleNamespace(_get_cache_misses=lambda: next(misses)), raising=False)
+    assert [compile_counts(tpu), compile_counts(tpu)] == [{"program_cache_misses": 5}, {"program_cache_misses": 7}]
+    assert compile_counts(from_args(parse_args(["--backend", "cpu", "--num-workers", "1"]))) == {}
+    monkeypatch.setattr(torch, "tpu", SimpleNamespace(), raising=False)
+    assert compile_counts(tpu) == {}
+    printed = []
+    monkeypatch.setattr("training_run.worker_print", printed.append)
+    Progress(every=1, total_steps=2, rank=0).line(2, Sums(4.0, 2.0, 2.0, 1, 1.0), 0.1, 1.0, {"program_cache_misses": 2})
+    assert printed[0].endswith("  program cache misses 2")
