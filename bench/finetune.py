@@ -105,7 +105,7 @@ def run_recipe(head, assets: dict[str, str], args: argparse.Namespace, name: str
         "--dataset", assets["dataset"], "--split", f"train[:{args.rows}]", "--epochs", str(args.epochs),
         "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--lr", args.lr, "--seed", "42",
         "--storage-path", str(args.out / "runs"), "--run-name", f"{re.sub(r'[^a-z]+', '-', name)}-{time.time_ns()}",
-        "--eval-samples", "0", *flags,  # training throughput: the evals' sample answers are not what is measured
+        "--eval-samples", "0", "--eval-tasks", "none", *flags,  # training throughput: no answers are measured
     ]  # fmt: skip
     print(f"running {name} ({' '.join(flags)}) ...", flush=True)
     done = subprocess.run(

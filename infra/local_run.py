@@ -53,6 +53,8 @@ def print_outputs(outputs: dict) -> None:
     for sample in run_files.last_samples(outputs.get("samples")):
         prompt = log_lines.one_line(sample["prompt"], 60)
         print(f"    step {sample['step']}: {prompt} -> {log_lines.one_line(sample['completion'], 100)}")
+    for i, line in enumerate(log_lines.evaluation_table(outputs.get("evaluation"))):
+        print(f"  {'evaluation:' if i == 0 else '':<12} {line}")
     print(f"  collectives: ok={collectives['ok']} world_size={collectives['world_size']} "
           f"max_abs_diff={collectives['max_abs_diff']:.2e}")  # fmt: skip
     print(f"  jobIds:      {json.dumps(outputs['job_ids'])}")

@@ -33,6 +33,17 @@ def epoch_line(m: dict) -> str:
             f"{m['real_tokens_per_s']:,.0f} real tokens/s a device{mfu}{memory})")  # fmt: skip
 
 
+def evaluation_table(evaluation: dict | None) -> list[str]:
+    """evaluation.json as lines: `heldout  rouge_l  0.210 -> 0.480  (+0.270)` (the fine-tune alone where no base
+    score was recorded)."""
+    lines = []
+    for task, metrics in ((evaluation or {}).get("tasks") or {}).items():
+        for metric, v in metrics.items():
+            lines.append(f"{task}  {metric}  {v['base']:.3f} -> {v['fine_tuned']:.3f}  ({v['delta']:+.3f})"
+                         if "base" in v else f"{task}  {metric}  {v['fine_tuned']:.3f}")  # fmt: skip
+    return lines
+
+
 def duration(seconds: float) -> str:
     minutes, s = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
@@ -53,6 +64,10 @@ def closing_summary(result: dict, seconds: float, devices: str, chips: int | Non
         f"  loss curve:  {result.get('loss_curve')}  (metrics.jsonl beside it)",
         f"  samples:     {result.get('samples') or 'none'}",
         f"  tensorboard: tensorboard --logdir {result['tensorboard']}",
+        *(
+            f"  {'evaluation:' if i == 0 else '':<12} {line}"
+            for i, line in enumerate(evaluation_table(result.get("evaluation")))
+        ),
         f"  cost:        {chips * seconds / 3600:.2f} chip-hours ({devices} for {duration(seconds)}; price per "
         "chip-hour: docs/cost.md)"
         if chips is not None

@@ -6,10 +6,8 @@ Run it on the slice (from the working directory `jobs/`):
         python ray_train_llm_finetune.py --topology 4x4 --accelerator-type TPU-V6E \\
         --storage-path gs://BUCKET/ray_train_torchtpu
 
-On N slices of that topology (a RayCluster whose TPU group has N replicas), add --num-slices N: the
-workers are N x the slice's devices and the model is sharded within each slice and replicated across
-them (HSDP, model.device_mesh). On CPU, --num-slices 2 --num-workers 4 stands two groups of two in for
-slices.
+On N slices (a RayCluster whose TPU group has N replicas), add --num-slices N: the model is sharded within
+each slice and replicated across them (HSDP, model.device_mesh); on CPU, groups of workers stand in.
 
 On CPU with the tiny offline assets (python jobs/tiny_assets.py --out .local/assets):
 
@@ -22,30 +20,28 @@ the prompt masked (the answer and its end-of-turn marker are trained), records p
 full rows, one global batch per optimizer step (the loss divided by the global count of
 predicted tokens; --grad-accum for a bigger one), linear warmup then cosine decay, gradient
 clipping, a held-out eval after every epoch and every --eval-every steps (by default 1/16 of the
-training slice's count, after it or, for a file, from its end) with greedy answers to --eval-samples of its prompts, a chunked
-cross-entropy, and sharded checkpoints written in the background every --save-every steps and at
-each epoch's end. --max-steps runs that many steps instead of --epochs.
+training slice's count, after it or, for a file, from its end) with greedy answers to --eval-samples of
+its prompts, a chunked cross-entropy, sharded checkpoints written in the background every --save-every
+steps and at each epoch's end, and the held-out task scored with lm-evaluation-harness on the base model
+before the first step and on the fine-tune after the last (--eval-tasks; <run>/evaluation.json,
+evaluation.py). --max-steps runs that many steps instead of --epochs.
 `--recipe walkthrough` is the walkthrough's instead (padded `Instruction: ... Response: ...`
 rows with the prompt in the loss, constant lr, no clipping, no eval, full logits, rank 0's full
 checkpoint per epoch); single flags override either recipe. The walkthrough's flag names work
 too (--model-id, --dataset-split, --num-epochs, --batch-size-per-device; --storage-path
 defaults to $STORAGE_PATH). CPU runs compute in fp32, TPU and CUDA in bf16 (--dtype overrides).
 
-Every record is read, checked, rendered and laid out in rows before any worker starts, once: the
-data is prepared under <storage>/prepared/<key> (jobs/prepared.py; on a Ray cluster's CPUs with Ray
-Data when run as a job there) and every later run with the same inputs reads it. Bad records fail
-the job naming their file and line. --preflight stops there (the job resource runs it on the head
-before it scales the slice up). The run's directory gets data_report.json.
+Every record is read, checked, rendered and laid out in rows once, before any worker starts, under
+<storage>/prepared/<key> (jobs/prepare.py; on a cluster's CPUs with Ray Data), for every later run with
+the same inputs; bad records fail the job naming their file and line. --preflight stops there.
 
-Re-running with the same --run-name and --storage-path resumes exactly where the latest
-checkpoint left off, mid-epoch too: weights, AdamW moments, RNG, the data's order and position, the
-schedule's step (training_run.py). Inside one job, Ray Train restarts a failed worker group from that
-checkpoint up to --max-failures times; a worker sent SIGTERM first finishes its step and saves it
-(stopping.py), so its restart redoes nothing. After the last step the run gets one from_pretrained
-directory, <run>/model (checkpoints.py shows the layout), with the tokenizer and its chat template.
-Progress lines (step, share of the run, epoch) go to the log about ten times an epoch and to
-TensorBoard under <run>/tensorboard, the evals' answers to <run>/samples.jsonl; metrics.jsonl and
-loss.png come at the end. The last line is `JOB_RESULT_JSON: {...}` with the checkpoint path(s) and final metrics.
+The same --run-name and --storage-path resume exactly where the latest checkpoint left off, mid-epoch
+too (training_run.py). Ray Train restarts a failed worker group from it up to --max-failures times; a
+worker sent SIGTERM first saves its step (stopping.py). The run ends with one from_pretrained
+directory, <run>/model (checkpoints.py), with the tokenizer and its chat template.
+Progress lines go to the log about ten times an epoch and to TensorBoard (<run>/tensorboard), the evals'
+answers to <run>/samples.jsonl; metrics.jsonl and loss.png come at the end, then a summary and the last
+line, `JOB_RESULT_JSON: {...}`, with the checkpoint path(s) and final metrics.
 """
 
 from __future__ import annotations
@@ -68,6 +64,7 @@ from checkpoints import (
     write_state,
 )
 from command_line import for_this_machine, from_args, parse_args
+from evaluation import before_after, read_evaluation, write_task
 from log_lines import HARMLESS_RAY_LINE, closing_summary, devices_used, epoch_line, one_line, quiet_ray_reports
 from lora import trainable_and_total
 from memory_plan import Workload, plan
@@ -148,7 +145,8 @@ def train_loop_per_worker(config: dict) -> None:
                 worker_print(epoch_line(metrics))
             backend.reset_peak_memory()
 
-    hooks = Hooks(save, epoch_metrics_of, progress, sample_log(ctx, rank, state.step))
+    hooks = Hooks(save, epoch_metrics_of, progress, sample_log(ctx, rank, state.step),
+                  evaluation=before_after(ctx.get_storage(), settings, rank))  # fmt: skip
     backend.reset_peak_memory()
     try:
         TrainingRun(trainee, optimizer, data, schedule, settings, device, rank, world, hooks).run(state)
@@ -340,21 +338,21 @@ def run(settings: FinetuneSettings) -> dict:
     # a job on a cluster prepares the data on its CPUs (Ray Data); otherwise in this process
     on_cluster = bool(os.environ.get("RAY_ADDRESS"))
     count = worker_count(settings)
-    prepared = prepare(
-        settings, load_tokenizer(settings.tokenizer_ref), lambda: connect_ray(count) if on_cluster else None
-    )
+    tokenizer = load_tokenizer(settings.tokenizer_ref)
+    prepared = prepare(settings, tokenizer, lambda: connect_ray(count) if on_cluster else None)
     report = data_report(settings, prepared, count)
     print_data_report(report)
     run_name = settings.run_name or f"{DEFAULT_RUN_PREFIX}{int(time.time())}"
     report_file = write_data_report(settings.storage_path, run_name, report)
     if settings.preflight:
         return {"run_name": run_name, "data_report": report, "data_report_file": report_file}
+    write_task(settings, tokenizer, run_dir(settings.storage_path, run_name))  # the held-out task, for lm-eval
     import ray
 
     connect_ray(count, workers_on=settings.backend)  # fails, naming what is missing, if it can never place them
-    held_out = bool((report.get("eval") or {}).get("records_used"))
     print(HARMLESS_RAY_LINE, flush=True)
     started = time.monotonic()
+    held_out = bool((report.get("eval") or {}).get("records_used"))
     result = trainer(settings, count, run_name, prepared.uri, held_out).fit()
     ray.shutdown()  # prints the workers' last log lines now (Ray holds repeated ones back), not after the result
     done = outputs(settings, run_name, result, report)
@@ -388,6 +386,7 @@ def outputs(settings: FinetuneSettings, run_name: str, result, report: dict) -> 
         "tensorboard": f"{run_dir(settings.storage_path, run_name)}/{TENSORBOARD_DIR}",
         "samples": samples_file if samples else None,
         "evals": read_state(final).get("evals", []) if final else [],
+        "evaluation": read_evaluation(run_dir(settings.storage_path, run_name)),
     }
 
 

@@ -71,6 +71,12 @@ class FinetuneSettings:
                               "where it reaches the data's end, its own last ones, not trained on then), none, or a "
                               "split that does not overlap {split}", key="evalSplit",
                               recipes={"default": "auto", "walkthrough": "none"})  # fmt: skip
+    eval_tasks: str = setting("heldout", "scored on the base model before the first step and on the fine-tune after "
+                              "the last, with lm-evaluation-harness: heldout (the held-out records as a task: "
+                              "exact match, ROUGE-L, chrF; written into the run for lm_eval to re-score), or none",
+                              key="evalTasks", choices=("heldout", "none"))  # fmt: skip
+    eval_limit: int = setting(64, "held-out prompts the before/after evaluation answers (0: every one)",
+                              key="evalLimit", low=0, high=100_000, high_why="two generations each, on the slice")  # fmt: skip
     overlong: str = setting("truncate", "records longer than {seq_len}: truncate or drop (the data report counts "
                             "either)", key="overlong", choices=OVERLONG)  # fmt: skip
     # ---- the recipe

@@ -57,6 +57,7 @@ class RunState:
     evals: tuple = ()
     attempt: int = 1
     world_size: int = 1
+    base_scores: dict | None = None  # the held-out task on the base model (evaluation.BeforeAfter), kept for a resume
 
     def to_json(self) -> dict:
         """train_state.json's layout (the names it has always had: `running` and `progress` for the sums)."""
@@ -65,7 +66,7 @@ class RunState:
                 "running": {"loss_sum": e.loss, "predicted": e.predicted, "real": e.real, "steps": e.steps,
                             "elapsed_s": e.seconds},
                 "progress": {"loss_sum": line.loss, "predicted": line.predicted, "real": line.real},
-                "attempt": self.attempt, "world_size": self.world_size}  # fmt: skip
+                "attempt": self.attempt, "world_size": self.world_size, "base_scores": self.base_scores}  # fmt: skip
 
     @classmethod
     def from_json(cls, saved: dict) -> RunState:
@@ -74,7 +75,8 @@ class RunState:
                           running.get("steps", 0), running.get("elapsed_s", 0.0))  # fmt: skip
         line_sums = Sums(progress.get("loss_sum", 0.0), progress.get("predicted", 0.0), progress.get("real", 0.0))
         return cls(saved["epoch"], saved["step"], epoch_sums, line_sums, tuple(saved.get("history", ())),
-                   tuple(saved.get("evals", ())), saved.get("attempt", 1), saved.get("world_size", 1))  # fmt: skip
+                   tuple(saved.get("evals", ())), saved.get("attempt", 1), saved.get("world_size", 1),
+                   saved.get("base_scores"))  # fmt: skip
 
 
 def resumed_state(saved: dict, world: int) -> RunState:
@@ -204,6 +206,7 @@ class Hooks:
     progress: Progress
     samples: object = None
     on_step: Callable | None = field(default=None)
+    evaluation: object = None  # evaluation.BeforeAfter, or None
 
 
 class TrainingRun:
@@ -221,9 +224,15 @@ class TrainingRun:
         self.compiled = None  # model.compile_counts at the first step's end
 
     def run(self, state: RunState, epochs: int | None = None) -> RunState:
-        """From `state` (resumed_state's) to the last planned step, or the end of epoch `epochs` (for a test)."""
+        """From `state` (resumed_state's) to the last planned step, or the end of epoch `epochs` (for a test); with
+        an evaluation hook, the base model scored before the first step and the fine-tune after the last."""
+        evaluation = self.hooks.evaluation
+        if evaluation is not None and state.step == 0 and state.base_scores is None:
+            state = replace(state, base_scores=evaluation.score(self.trainee))
         while state.step < self.schedule.total_steps and (epochs is None or state.epoch < epochs):
             state = self.epoch(state)
+        if evaluation is not None and state.step >= self.schedule.total_steps:
+            evaluation.finish(state.base_scores, evaluation.score(self.trainee))
         return state
 
     def epoch(self, state: RunState) -> RunState:

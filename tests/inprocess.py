@@ -60,7 +60,7 @@ class DirectorySaver:
 
 
 def run(settings, rank: int = 0, world: int = 1, epochs: int | None = None, on_step=None, root: str | None = None,
-        resume_from: str | None = None):  # fmt: skip
+        resume_from: str | None = None, evaluation=None):  # fmt: skip
     """The per-worker loop as train_loop_per_worker runs it (build, TrainingData, training_run.TrainingRun),
     without Ray: checkpoints under `root` (if given), resumed from `resume_from` (a checkpoint directory
     under it); `epochs` stops after that many epochs of the planned run; `on_step(step, result)` sees each
@@ -87,7 +87,7 @@ def run(settings, rank: int = 0, world: int = 1, epochs: int | None = None, on_s
     schedule = Schedule.planned(settings, data.steps)
     save = DirectorySaver(checkpointer, root, rank) if root else (lambda *_: None)
     hooks = Hooks(save, lambda _epoch, trained, held_out, _elapsed: trained | held_out,
-                  Progress(10**9, schedule.total_steps, rank), on_step=on_step)  # fmt: skip
+                  Progress(10**9, schedule.total_steps, rank), on_step=on_step, evaluation=evaluation)  # fmt: skip
     try:
         run_ = TrainingRun(trainee, optimizer, data, schedule, settings, torch.device("cpu"), rank, world, hooks)
         state = run_.run(state, epochs)

@@ -58,6 +58,7 @@ def finetune_args(tiny_assets, dataset: str, storage: Path, run_name: str) -> li
         "--backend", "cpu", "--num-workers", "2", "--model", tiny_assets["model"], "--dataset", dataset,
         "--split", "train[:256]", "--seq-len", "128", "--lr", "1e-3", "--storage-path", str(storage),
         "--run-name", run_name, "--log-every", "1", "--eval-samples", "0",  # (the README's run has samples)
+        "--eval-tasks", "none",  # (and the before/after evaluation)
     ]  # fmt: skip
 
 
@@ -435,6 +436,11 @@ def test_the_fine_tune_states_its_data_and_shows_progress_and_tensorboard(by_han
     assert [s["step"] for s in samples] == [steps // 2] * 4 + [steps] * 4  # each epoch's eval, 4 prompts
     assert all(s["completion"] and s["reference"] and s["prompt"] for s in samples) and result["samples"]
     assert f"sample at step {steps}: " in logs  # the last eval's answers, in the job log
+    # before and after: the held-out task scored with lm-eval on the base model and on the fine-tune
+    evaluation = json.loads((run_dir / "evaluation.json").read_text())
+    assert set(evaluation["tasks"]["heldout"]) == {"exact_match", "rouge_l", "chrf"}
+    assert all(set(v) == {"base", "fine_tuned", "delta"} for v in evaluation["tasks"]["heldout"].values())
+    assert "heldout  rouge_l  " in logs and (run_dir / "heldout" / "heldout.yaml").exists()
     # for a person: each epoch once, in words (not Ray's per-report dicts), then a summary above the result line
     assert '"rank": 0' not in logs
     assert [line.count("steps in") for line in logs.splitlines() if "epoch 1: train" in line] == [1, 0]
@@ -474,7 +480,8 @@ def by_hand_run(tiny_assets, tmp_path, extra: list[str]) -> tuple[subprocess.Pop
     ray_tmp = Path(tempfile.mkdtemp(prefix="rh", dir="/tmp"))  # short: Ray's socket paths live below it
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(ray_tmp)}
     argv = [sys.executable, str(JOBS / "ray_train_llm_finetune.py"), "--model", tiny_assets["model"], "--dataset",
-            tiny_assets["dataset"], "--split", "train[:80]", "--seq-len", "128", "--storage-path", str(tmp_path), *extra]  # fmt: skip
+            tiny_assets["dataset"], "--split", "train[:80]", "--seq-len", "128", "--storage-path", str(tmp_path),
+            "--eval-tasks", "none", *extra]  # fmt: skip
     process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)  # fmt: skip
     return process, ray_tmp

@@ -49,7 +49,7 @@ def drained(tiny_assets, tmp_path_factory) -> dict:
     flags = ["--backend", "cpu", "--num-workers", "2", "--model", tiny_assets["model"], "--dataset",
              tiny_assets["dataset"], "--split", "train[:80]", "--seq-len", "128", "--lr", "1e-3", "--storage-path",
              str(storage), "--run-name", "drained", "--max-steps", str(STEPS), "--log-every", "1", "--eval-samples",
-             "0", "--max-failures", "0"]  # fmt: skip
+             "0", "--max-failures", "0", "--eval-tasks", "none"]  # fmt: skip
     with RayNodes(nodes=2, cpus=2) as nodes:
         driver = subprocess.Popen([sys.executable, str(JOBS / "ray_train_llm_finetune.py"), *flags], env=nodes.env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip

@@ -268,6 +268,7 @@ def run_pipeline(
         "loss_curve": finetune.get("loss_curve"),
         "samples": finetune.get("samples"),
         "data_report": finetune.get("data_report"),
+        "evaluation": finetune.get("evaluation"),
         "collectives": results["collectives"],
         "job_ids": ids,
         "slice_hours": round(slice_hours, 4),
