@@ -29,9 +29,10 @@ pulumi-yaml: $(INSTALLED)
 test: lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
-# Everything but the runs on a Ray head (the `e2e` marker), on both cores: under a minute on 2 cores.
+# Everything but the runs on a Ray head (`e2e`) and the in-process ones of tens of seconds (`slow`), on both
+# cores: about a minute on 2 cores.
 test-fast: $(INSTALLED)
-	$(BIN)/python -m pytest -q -m "not e2e" -n 2 --dist loadfile --durations=5
+	$(BIN)/python -m pytest -q -m "not e2e and not slow" -n 2 --dist loadfile --durations=5
 
 local: $(INSTALLED)
 	$(BIN)/python -m infra.local_run

@@ -18,6 +18,7 @@ from infra import JOBS_DIR
 if str(JOBS_DIR) not in sys.path:
     sys.path.insert(0, str(JOBS_DIR))
 
+import backend  # noqa: E402
 import command_line  # noqa: E402
 import data_formats  # noqa: E402
 import log_lines  # noqa: E402
@@ -31,6 +32,7 @@ import tiny_assets  # noqa: E402
 import tpu_generations  # noqa: E402
 
 __all__ = [
+    "backend",
     "command_line",
     "data_formats",
     "log_lines",

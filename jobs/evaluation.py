@@ -23,12 +23,11 @@ import os
 
 from log_lines import evaluation_table
 from recipe import IGNORE
+from samples import NEW_TOKENS
 
 TASK = "heldout"
 TASK_DIR = "heldout"
 EVALUATION_FILE = "evaluation.json"
-MAX_GEN_TOKS = 128  # as the samples' answers (samples.NEW_TOKENS)
-STOP = "<turn|>"  # Gemma 4's end of turn (../shared/FACTS.md); a tokenizer without it stops at max_gen_toks
 
 
 def rouge_l(references: list[str], predictions: list[str]) -> float:
@@ -39,8 +38,9 @@ def rouge_l(references: list[str], predictions: list[str]) -> float:
     return scorer.score(references[0], predictions[0])["rougeL"].fmeasure
 
 
-def task_config(records_file: str) -> dict:
-    """The lm-eval task, as heldout.yaml holds it (the ROUGE-L metric named there as !function)."""
+def task_config(records_file: str, stop: str | None) -> dict:
+    """The lm-eval task, as heldout.yaml holds it (the ROUGE-L metric named there as !function). Answers are as
+    long as the samples' and end at the chat template's end of turn (`stop`; Gemma 4's `<turn|>`)."""
     return {
         "task": TASK,
         "dataset_path": "json",
@@ -49,7 +49,7 @@ def task_config(records_file: str) -> dict:
         "output_type": "generate_until",
         "doc_to_text": "{{prompt}}",
         "doc_to_target": "{{reference}}",
-        "generation_kwargs": {"until": [STOP], "do_sample": False, "max_gen_toks": MAX_GEN_TOKS},
+        "generation_kwargs": {"until": [stop] if stop else [], "do_sample": False, "max_gen_toks": NEW_TOKENS},
         "metric_list": [
             {"metric": "exact_match", "aggregation": "mean", "higher_is_better": True},
             {"metric": "rouge_l", "aggregation": "mean", "higher_is_better": True},
@@ -59,10 +59,10 @@ def task_config(records_file: str) -> dict:
     }
 
 
-def task_yaml(records_file: str) -> str:
+def task_yaml(records_file: str, stop: str | None) -> str:
     import yaml
 
-    config = task_config(records_file)
+    config = task_config(records_file, stop)
     text = yaml.safe_dump(config, sort_keys=False)
     return text.replace("metric: rouge_l", "metric: !function heldout_utils.rouge_l")
 
@@ -103,13 +103,21 @@ def write_task(settings, tokenizer, run_dir: str) -> str | None:
     fs.create_dir(base, recursive=True)
     files = {
         f"{TASK}.jsonl": "".join(json.dumps(d) + "\n" for d in docs),
-        f"{TASK}.yaml": task_yaml(f"{directory}/{TASK}.jsonl"),
+        f"{TASK}.yaml": task_yaml(f"{directory}/{TASK}.jsonl", end_of_turn(tokenizer)),
         "heldout_utils.py": "# written by jobs/evaluation.py: the held-out task's ROUGE-L\n" + _source(rouge_l),
     }
     for name, text in files.items():
         with fs.open_output_stream(f"{base}/{name}") as f:
             f.write(text.encode())
     return directory
+
+
+def end_of_turn(tokenizer) -> str | None:
+    """The text of the token an assistant turn ends with (render.end_of_turn_id), or None."""
+    from render import end_of_turn_id
+
+    token = end_of_turn_id(tokenizer)
+    return None if token is None else tokenizer.convert_ids_to_tokens(token)
 
 
 def _source(function) -> str:

@@ -38,6 +38,7 @@ def test_the_held_out_task_asks_in_the_chat_template_and_stops_at_the_end_of_tur
     assert loaded["generation_kwargs"]["until"] == ["<turn|>"] and loaded["output_type"] == "generate_until"
 
 
+@pytest.mark.slow
 def test_the_job_model_scores_as_lm_evals_own_hf_backend(task, tiny_assets, gloo_rank):
     """The base model, FSDP-wrapped as the job trains it, against `lm_eval --model hf` on its directory."""
     import lm_eval
@@ -79,3 +80,14 @@ def test_the_base_is_scored_before_the_first_step_and_a_resume_reads_it_back(tin
     assert (first.scored, first.finished) == (1, [])
     run(config, root=str(tmp_path), resume_from=str(tmp_path / "checkpoint_epoch_0001"), evaluation=second)
     assert second.scored == 1 and second.finished == [({"rouge_l": 1.0}, {"rouge_l": 1.0})]  # the base read back
+
+
+def test_the_walkthrough_and_eval_tasks_none_write_no_task(tiny_assets, tmp_path):
+    """The walkthrough's run (no held-out split, no chat template) is unchanged: nothing to score, nothing written."""
+    from evaluation import write_task
+    from render import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_assets["model"])
+    for flags in (("--recipe", "walkthrough"), ("--eval-tasks", "none")):
+        assert write_task(settings(tiny_assets, *flags), tokenizer, str(tmp_path / "run")) is None
+    assert not (tmp_path / "run").exists()

@@ -341,11 +341,11 @@ def stale_ray_tmpdir():
     import shutil
     import tempfile
 
-    from infra.runner.local_ray import free_port
+    from infra.job_modules import backend
 
     tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths live below it
     (tmp / "ray").mkdir()
-    (tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}")
+    (tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{backend.free_port()}")
     yield tmp
     shutil.rmtree(tmp, ignore_errors=True)
 
@@ -377,7 +377,7 @@ def by_hand(ray_head, tiny_assets, tmp_path_factory):
     import shutil
     import tempfile
 
-    from infra.runner.local_ray import free_port
+    from infra.job_modules import backend
 
     commands = readme_cpu_commands()
     cwd = tmp_path_factory.mktemp("checkout")
@@ -388,7 +388,7 @@ def by_hand(ray_head, tiny_assets, tmp_path_factory):
     (cwd / ".local" / "assets").symlink_to(Path(tiny_assets["model"]).parent)
     stale_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths live below it
     (stale_tmp / "ray").mkdir()
-    (stale_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}")
+    (stale_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{backend.free_port()}")
     base = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_TMPDIR")}
     envs = (base | {"RAY_TMPDIR": str(stale_tmp)}, ray_head.client_env())
     done = [

@@ -235,6 +235,7 @@ def test_sdpa_attention_trains_as_eager_does_on_packed_rows(tiny_assets, gloo_ra
     assert losses["sdpa"] != losses["eager"]  # another kernel ran
 
 
+@pytest.mark.slow
 def test_compiled_layers_train_as_eager_ones_and_compile_once(tiny_assets, gloo_rank):
     """--compile (inductor on CPU): ten steps' losses within 1e-4 of eager's; after the first step nothing compiles
     again (the evals and sample answers run eager), and the count is in the progress line's figures and the

@@ -9,18 +9,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from infra.job_modules import backend
 
 
 def address_file() -> Path:
@@ -34,7 +29,7 @@ class LocalRayHead:
     # 4 CPUs: the collectives check's default of 4 workers, one CPU bundle each.
     def __init__(self, num_cpus: int = 4, log_dir: Path | None = None, env: dict[str, str] | None = None):
         self.num_cpus = num_cpus
-        self.port, self.dashboard_port = free_port(), free_port()
+        self.port, self.dashboard_port = backend.free_port(), backend.free_port()
         self.log_dir = log_dir
         # Token auth off unless asked for: a stray ~/.ray/auth_token must not decide for us.
         self.env = {
