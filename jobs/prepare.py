@@ -33,12 +33,11 @@ from outcome import JobInputError
 from prepared import SPLITS, Prepared
 from recipe import IGNORE
 from render import RecordError, conversation, detect_format, load_tokenizer, render, require_chat_template, tokenize
-from sft_data import FileRecords, Source, bad_lines_message, load_splits, pack_rows
+from sft_data import MAX_ERRORS, FileRecords, Source, bad_lines_message, load_splits, pack_rows
 from storage import filesystem, gcs
 
 PREPARED_DIR = "prepared"
 FORMAT = 2  # bumped whenever what a preparation writes changes
-MAX_ERRORS = 10
 
 
 # ---- what a chunk is and does -----------------------------------------------------------------
@@ -226,7 +225,7 @@ def bad_records(results: list[dict], unreadable: list = ()) -> JobInputError | N
     ]
     if not found:
         return None
-    return JobInputError(bad_lines_message([message for _, message in sorted(found)], MAX_ERRORS))
+    return JobInputError(bad_lines_message([message for _, message in sorted(found)]))
 
 
 def split_report(results: list[dict]) -> dict:

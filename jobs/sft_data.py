@@ -34,6 +34,8 @@ from recipe import IGNORE, predicted_tokens
 from splits import overlap
 from storage import fsspec_options, gcs
 
+MAX_ERRORS = 10  # bad records named at once
+
 # ---- loading ----------------------------------------------------------------------------------
 
 
@@ -227,13 +229,12 @@ def load_split(ref: str, name: str, config: str | None = None) -> Source:
     return Source(ref, data, [f for _, f, _ in loaded], unreadable)
 
 
-def bad_lines_message(errors: list[str], most: int = 10) -> str:
-    """The first `most` bad records or lines, in file order, in one message: one rerun fixes them all."""
+def bad_lines_message(errors: list[str]) -> str:
+    """The first MAX_ERRORS bad records or lines, in file order, in one message: one rerun fixes them all."""
     if len(errors) == 1:
         return errors[0]
-    shown = "\n  ".join(errors[:most])
-    more = f" (the first {most}, in file order)" if len(errors) > most else ""
-    return f"{min(len(errors), most)} bad records{more}:\n  {shown}"
+    more = f" (the first {MAX_ERRORS}, in file order)" if len(errors) > MAX_ERRORS else ""
+    return f"{min(len(errors), MAX_ERRORS)} bad records{more}:\n  " + "\n  ".join(errors[:MAX_ERRORS])
 
 
 # ---- splits -----------------------------------------------------------------------------------
