@@ -21,10 +21,12 @@ if str(JOBS_DIR) not in sys.path:
 import backend  # noqa: E402
 import command_line  # noqa: E402
 import data_formats  # noqa: E402
+import eval_tasks  # noqa: E402
 import log_lines  # noqa: E402
 import memory_plan  # noqa: E402
 import outcome  # noqa: E402
 import run_files  # noqa: E402
+import samples  # noqa: E402
 import settings  # noqa: E402
 import splits  # noqa: E402
 import storage  # noqa: E402
@@ -35,10 +37,12 @@ __all__ = [
     "backend",
     "command_line",
     "data_formats",
+    "eval_tasks",
     "log_lines",
     "memory_plan",
     "outcome",
     "run_files",
+    "samples",
     "settings",
     "splits",
     "storage",

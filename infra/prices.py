@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from infra.dataset import records_in
-from infra.job_modules import data_formats, splits
+from infra.job_modules import data_formats, eval_tasks, samples, splits
 from infra.models import known_model
 
 if TYPE_CHECKING:  # the estimate reads the stack's config; the facts it needs are in their own tables
@@ -121,6 +121,35 @@ def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
     return minutes[0], minutes[1]
 
 
+# Seconds a slice takes per greedy decode step of the before/after evaluation: one token for a batch of prompts,
+# every layer's shards gathered again. An assumption, not measured on a slice (eager HF generate, FSDP2).
+DECODE_STEP_S = (0.05, 0.25)
+
+
+def evaluation_prompts(cfg: StackConfig) -> int:
+    """The held-out prompts the before/after evaluation answers: evalLimit of the held-out records (evalSplit
+    auto: 1/16 of the training records, at most 256; a split with absolute bounds: its size; else taken as 256)."""
+    records, bounds = training_records(cfg), splits.absolute_slice(cfg.job.eval_split)
+    if bounds is not None and bounds[2] != math.inf:
+        held_out = int(bounds[2] - bounds[1])
+    elif cfg.job.eval_split == "auto" and records is not None:
+        held_out = max(1, min(data_formats.EVAL_MOST, records // data_formats.EVAL_SHARE))
+    else:
+        held_out = data_formats.EVAL_MOST
+    return min(cfg.job.eval_limit or held_out, held_out)
+
+
+def evaluation_minutes(cfg: StackConfig) -> tuple[float, float]:
+    """(low, high) minutes of the held-out evaluation, base and fine-tune: every rank answers every prompt, a
+    batch of batchSize at a time, up to the samples' answer length, at DECODE_STEP_S a token (the answers' loss,
+    one forward a batch, is left out). Tasks named besides heldout are not estimated (their size is theirs)."""
+    job = cfg.job
+    if eval_tasks.HELDOUT not in eval_tasks.parse(job.eval_tasks) or job.eval_split == "none" or not job.chat_template:
+        return 0.0, 0.0
+    steps = 2 * math.ceil(evaluation_prompts(cfg) / job.batch_size) * samples.NEW_TOKENS
+    return steps * DECODE_STEP_S[0] / 60, steps * DECODE_STEP_S[1] / 60
+
+
 def unknown_run(cfg: StackConfig) -> str:
     """Why the run's length is not known at preview."""
     unknown = []
@@ -151,7 +180,8 @@ def cost_estimate(cfg: StackConfig) -> dict:
     minutes = training_minutes(cfg)
     if minutes is None:
         return out | {"run": unknown_run(cfg)}
-    hours = [(minutes[i] + OVERHEAD_MINUTES[i]) / 60 for i in (0, 1)]
+    evaluating = evaluation_minutes(cfg)
+    hours = [(minutes[i] + evaluating[i] + OVERHEAD_MINUTES[i]) / 60 for i in (0, 1)]
     walkthrough = [h + WALKTHROUGH_EXTRA_MINUTES[i] / 60 for i, h in enumerate(hours)]
 
     def usd(h: list[float]) -> list[float]:
@@ -164,6 +194,7 @@ def cost_estimate(cfg: StackConfig) -> dict:
         )
     return out | {
         "training_minutes": [round(m, 1) for m in minutes],
+        "evaluation_minutes": [round(m, 1) for m in evaluating],
         "slice_hours": [round(h, 2) for h in hours],
         "usd": usd(hours),
         "walkthrough_usd": usd(walkthrough),
@@ -172,6 +203,8 @@ def cost_estimate(cfg: StackConfig) -> dict:
             f"{WALKTHROUGH_DEVICES} devices for E2B, scaled by devices (of every slice: data-parallel scaling) and by "
             "compute per token; packed rows "
             f"{DOLLY_REAL_SHARE:.0%} (Dolly) to 100% full; "
+            f"the before/after evaluation {DECODE_STEP_S[0]}-{DECODE_STEP_S[1]} s a decoded token for each batch of "
+            "held-out prompts, twice (assumed, not measured on a slice; named lm-eval tasks not counted); "
             f"{OVERHEAD_MINUTES[0]:.0f}-{OVERHEAD_MINUTES[1]:.0f} minutes for nodes, image, load, compile and "
             f"scale-down; the walkthrough's always-on slice {WALKTHROUGH_EXTRA_MINUTES[0]:.0f}-"
             f"{WALKTHROUGH_EXTRA_MINUTES[1]:.0f} minutes more"

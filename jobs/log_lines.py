@@ -37,8 +37,8 @@ def evaluation_table(evaluation: dict | None) -> list[str]:
     """evaluation.json as lines: `heldout  rouge_l  0.210 -> 0.480  (+0.270)` (the fine-tune alone where no base
     score was recorded)."""
     lines = []
-    for task, metrics in ((evaluation or {}).get("tasks") or {}).items():
-        for metric, v in metrics.items():
+    for task, entry in ((evaluation or {}).get("tasks") or {}).items():
+        for metric, v in entry["metrics"].items():
             lines.append(f"{task}  {metric}  {v['base']:.3f} -> {v['fine_tuned']:.3f}  ({v['delta']:+.3f})"
                          if "base" in v else f"{task}  {metric}  {v['fine_tuned']:.3f}")  # fmt: skip
     return lines

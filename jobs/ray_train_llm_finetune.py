@@ -146,7 +146,7 @@ def train_loop_per_worker(config: dict) -> None:
             backend.reset_peak_memory()
 
     hooks = Hooks(save, epoch_metrics_of, progress, sample_log(ctx, rank, state.step),
-                  evaluation=before_after(ctx.get_storage(), settings, rank))  # fmt: skip
+                  evaluation=before_after(ctx.get_storage(), settings, rank, progress.board))  # fmt: skip
     backend.reset_peak_memory()
     try:
         TrainingRun(trainee, optimizer, data, schedule, settings, device, rank, world, hooks).run(state)

@@ -24,6 +24,7 @@ import types
 import typing
 from dataclasses import asdict, dataclass, fields
 
+import eval_tasks
 from backend import BACKENDS, DTYPES
 from data_formats import DEFAULT_DATASET, HUB_SPLIT, OVERLONG, default_split
 from declared import declared, setting
@@ -72,10 +73,10 @@ class FinetuneSettings:
                               "split that does not overlap {split}", key="evalSplit",
                               recipes={"default": "auto", "walkthrough": "none"})  # fmt: skip
     eval_tasks: str = setting("heldout", "scored on the base model before the first step and on the fine-tune after "
-                              "the last, with lm-evaluation-harness: heldout (the held-out records as a task: "
-                              "exact match, ROUGE-L, chrF; written into the run for lm_eval to re-score), or none",
-                              key="evalTasks", choices=("heldout", "none"))  # fmt: skip
-    eval_limit: int = setting(64, "held-out prompts the before/after evaluation answers (0: every one)",
+                              "the last (lm-evaluation-harness): heldout (the held-out records as tasks: exact match, "
+                              "ROUGE-L, chrF, the answers' loss), lm-eval task names (heldout,gsm8k,hellaswag: their "
+                              "data from the Hub), or none", key="evalTasks")  # fmt: skip
+    eval_limit: int = setting(64, "documents of each task the before/after evaluation scores (0: every one)",
                               key="evalLimit", low=0, high=100_000, high_why="two generations each, on the slice")  # fmt: skip
     overlong: str = setting("truncate", "records longer than {seq_len}: truncate or drop (the data report counts "
                             "either)", key="overlong", choices=OVERLONG)  # fmt: skip
@@ -311,6 +312,8 @@ def problems(s: FinetuneSettings) -> list[Problem]:
             found.append(Problem("columns", s.columns, f"is not NEW=OLD pairs: {str(err).split(': ', 1)[-1]}"))
     if s.dataset_config is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", s.dataset_config):
         found.append(Problem("dataset_config", s.dataset_config, "is not a configuration name such as 'en'"))
+    if why := eval_tasks.problem(s.eval_tasks):
+        found.append(Problem("eval_tasks", s.eval_tasks, why))
     if not is_split(s.split):
         found.append(Problem("split", s.split, f"is not a split expression such as {EXAMPLES}"))
     elif why := eval_split_problem(s.eval_split, s.split):

@@ -232,7 +232,7 @@ class TrainingRun:
         while state.step < self.schedule.total_steps and (epochs is None or state.epoch < epochs):
             state = self.epoch(state)
         if evaluation is not None and state.step >= self.schedule.total_steps:
-            evaluation.finish(state.base_scores, evaluation.score(self.trainee))
+            evaluation.finish(state.base_scores, evaluation.score(self.trainee), state.step)
         return state
 
     def epoch(self, state: RunState) -> RunState:

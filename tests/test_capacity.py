@@ -150,6 +150,23 @@ def test_the_estimate_by_hand_for_the_default_v6e_run():
     assert "(the walkthrough's always-on slice: $" in line
 
 
+def test_the_before_after_evaluation_is_in_the_estimate():
+    """64 held-out prompts (evalLimit) in batches of 4, 128 tokens each, base and fine-tune: 4,096 decode steps at
+    0.05-0.25 s; the slice's hours count them; nothing to evaluate, nothing counted."""
+    from infra.prices import cost_estimate, evaluation_minutes
+
+    default = cost_estimate(parse_as_cli({}))
+    assert default["evaluation_minutes"] == [round(4096 * 0.05 / 60, 1), round(4096 * 0.25 / 60, 1)]
+    without = cost_estimate(parse_as_cli({"evalTasks": "none"}))
+    assert without["evaluation_minutes"] == [0, 0]
+    assert default["slice_hours"][1] - without["slice_hours"][1] == pytest.approx(4096 * 0.25 / 3600, abs=0.01)
+    assert evaluation_minutes(parse_as_cli({"evalLimit": "8"}))[1] == pytest.approx(2 * 2 * 128 * 0.25 / 60)
+    assert evaluation_minutes(parse_as_cli({"evalLimit": "0", "datasetSplit": "train[:160]"}))[1] == pytest.approx(
+        2 * 3 * 128 * 0.25 / 60)  # auto: 10 held-out records, every one  # fmt: skip
+    assert evaluation_minutes(parse_as_cli({"recipe": "walkthrough"})) == (0, 0)  # no held-out records
+    assert "the before/after evaluation 0.05-0.25 s a decoded token" in default["assumptions"]
+
+
 def test_make_local_prints_the_estimate_of_its_settings_on_a_slice():
     from infra.local_run import local_config, local_cost_line
 

@@ -38,23 +38,76 @@ def test_the_held_out_task_asks_in_the_chat_template_and_stops_at_the_end_of_tur
     assert loaded["generation_kwargs"]["until"] == ["<turn|>"] and loaded["output_type"] == "generate_until"
 
 
+def test_the_answer_loss_task_scores_the_reference_with_its_end_of_turn(task):
+    import yaml
+
+    config, directory = task
+    loaded = yaml.safe_load(open(f"{directory}/heldout_loss.yaml").read().replace("!function ", ""))
+    assert loaded["output_type"] == "loglikelihood" and loaded["target_delimiter"] == ""
+    assert loaded["doc_to_target"] == "{{reference}}<turn|>"  # the end of turn is trained: it is scored too
+    assert loaded["process_results"] == "heldout_utils.answer_loss"
+    docs = [json.loads(line) for line in open(f"{directory}/heldout.jsonl")]
+    assert all(0 < d["answer_tokens"] < len(d["reference"]) + 2 for d in docs)
+
+
+def hf_backend(model: str, tasks: list[str], include_path: str, **kwargs) -> dict:
+    """lm-eval's own Hugging Face backend (`lm_eval --model hf`) on a model directory: the results per task."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={model},dtype=float32", tasks=tasks, device="cpu", batch_size=2,
+        task_manager=TaskManager(include_path=include_path), bootstrap_iters=0, **kwargs,
+    )["results"]  # fmt: skip
+
+
 @pytest.mark.slow
 def test_the_job_model_scores_as_lm_evals_own_hf_backend(task, tiny_assets, gloo_rank):
-    """The base model, FSDP-wrapped as the job trains it, against `lm_eval --model hf` on its directory."""
-    import lm_eval
-    from evaluation import TASK, score
-    from lm_eval.tasks import TaskManager
+    """The base model, FSDP-wrapped as the job trains it, against `lm_eval --model hf` on its directory: the
+    answers' metrics equal, the answers' loss (log-likelihoods) within 1e-4."""
+    from evaluation import HELDOUT_TASKS, Plan, score
 
     config, directory = task
     trainee, _ = build(config)
-    ours = score(trainee, directory, batch_size=2)
-    theirs = lm_eval.simple_evaluate(
-        model="hf", model_args=f"pretrained={tiny_assets['model']},dtype=float32", tasks=[TASK], device="cpu",
-        task_manager=TaskManager(include_path=directory), batch_size=2, bootstrap_iters=0,
-    )["results"][TASK]  # fmt: skip
-    assert set(ours) == {"exact_match", "rouge_l", "chrf"}
-    assert ours == {name: pytest.approx(float(theirs[f"{name},none"]), abs=1e-9) for name in ours}
-    assert 0 < ours["rouge_l"] < 1 and ours["chrf"] > 0  # something was answered
+    ours = score(trainee, Plan(directory, (), True, None), batch_size=2)
+    theirs = hf_backend(tiny_assets["model"], list(HELDOUT_TASKS), directory)
+    assert set(ours["heldout"]["metrics"]) == {"exact_match", "rouge_l", "chrf"} and ours["heldout"]["samples"] == 4
+    assert ours["heldout"]["metrics"] == {n: pytest.approx(theirs["heldout"][f"{n},none"], abs=1e-9)
+                                          for n in ours["heldout"]["metrics"]}  # fmt: skip
+    assert 0 < ours["heldout"]["metrics"]["rouge_l"] < 1 and ours["heldout"]["metrics"]["chrf"] > 0
+    loss = ours["heldout_loss"]["metrics"]["loss"]
+    assert loss == pytest.approx(theirs["heldout_loss"]["loss,none"], abs=1e-4) and 2 < loss < 20
+
+
+CHOICE_TASK = {
+    "task": "tiny_choice", "dataset_path": "json", "test_split": "test", "output_type": "multiple_choice",
+    "doc_to_text": "Question: {{question}}\nAnswer:", "doc_to_choice": "{{choices}}", "doc_to_target": "{{answer}}",
+    "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}, {"metric": "brier_score"}], "metadata": {"version": 1},
+}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_named_multiple_choice_task_scores_as_lm_evals_own_hf_backend(tiny_assets, tmp_path, gloo_rank):
+    """A task lm-eval knows by name (here from an include path: the Hub is out of reach), loglikelihood-based and
+    in the chat template, as --eval-tasks runs hellaswag or arc_easy."""
+    import yaml
+    from evaluation import Plan, score
+
+    records = tmp_path / "choice.jsonl"
+    records.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in [
+        ("What colour is the sky?", ["blue", "green", "a fish"], 0), ("2 + 2 =", ["3", "4", "22"], 1),
+        ("The capital of France is", ["Berlin", "Paris", "Rome"], 1), ("Ice is", ["cold", "hot", "loud"], 0),
+        ("A cat says", ["woof", "moo", "meow"], 2)]))  # fmt: skip
+    (tmp_path / "tiny_choice.yaml").write_text(yaml.safe_dump(CHOICE_TASK | {
+        "dataset_kwargs": {"data_files": {"test": str(records)}}}))  # fmt: skip
+    trainee, _ = build(settings(tiny_assets))
+    ours = score(trainee, Plan(None, ("tiny_choice",), True, 4, include_path=str(tmp_path)), batch_size=2)
+    theirs = hf_backend(tiny_assets["model"], ["tiny_choice"], str(tmp_path), limit=4, apply_chat_template=True)
+    assert ours["tiny_choice"]["samples"] == 4 and set(ours["tiny_choice"]["metrics"]) == {"acc", "acc_norm",
+                                                                                          "brier_score"}  # fmt: skip
+    # brier_score: the choices' softmaxed log-likelihoods against the answer, so it moves with every log-likelihood
+    assert ours["tiny_choice"]["metrics"] == {n: pytest.approx(theirs["tiny_choice"][f"{n},none"], abs=1e-4)
+                                              for n in ("acc", "acc_norm", "brier_score")}  # fmt: skip
 
 
 class Recorder:
@@ -67,7 +120,7 @@ class Recorder:
         self.scored += 1
         return {"rouge_l": float(self.scored)}
 
-    def finish(self, base, tuned) -> None:
+    def finish(self, base, tuned, step) -> None:
         self.finished.append((base, tuned))
 
 

@@ -292,6 +292,11 @@ def test_finetune_bad_inputs_fail_fast(tiny_assets, tmp_path, capsys):
         (["--dataset", tiny_assets["dataset"], "--model", str(tmp_path / "nope")], "does not exist"),
         (["--dataset", tiny_assets["dataset"], "--storage-path", str(read_only / "sub")], "cannot be written"),
         (["--dataset", str(tmp_path / "missing.jsonl")], "does not exist"),
+        # an lm-eval task the installed lm-eval does not know: refused before Ray starts, with the closest names
+        (
+            ["--dataset", tiny_assets["dataset"], "--eval-tasks", "heldout,hellaswg"],
+            "--eval-tasks 'heldout,hellaswg' names tasks lm-eval 0.4.13 does not know: hellaswg (closest: hellaswag",
+        ),
     ]
     for extra, message in cases:
         assert ft.main(base + extra) == 2, extra
@@ -438,9 +443,12 @@ def test_the_fine_tune_states_its_data_and_shows_progress_and_tensorboard(by_han
     assert f"sample at step {steps}: " in logs  # the last eval's answers, in the job log
     # before and after: the held-out task scored with lm-eval on the base model and on the fine-tune
     evaluation = json.loads((run_dir / "evaluation.json").read_text())
-    assert set(evaluation["tasks"]["heldout"]) == {"exact_match", "rouge_l", "chrf"}
-    assert all(set(v) == {"base", "fine_tuned", "delta"} for v in evaluation["tasks"]["heldout"].values())
-    assert "heldout  rouge_l  " in logs and (run_dir / "heldout" / "heldout.yaml").exists()
+    heldout, answers = evaluation["tasks"]["heldout"], evaluation["tasks"]["heldout_loss"]
+    assert set(heldout["metrics"]) == {"exact_match", "rouge_l", "chrf"} and set(answers["metrics"]) == {"loss"}
+    assert heldout["samples"] == answers["samples"] == 5 and evaluation["lm_eval_version"] == "0.4.13"
+    assert all(set(v) == {"base", "fine_tuned", "delta"} for e in (heldout, answers) for v in e["metrics"].values())
+    assert answers["metrics"]["loss"]["delta"] < 0  # two epochs on the tiny data: the answers' loss falls
+    assert "heldout  rouge_l  " in logs and (run_dir / "heldout" / "heldout_loss.yaml").exists()
     # for a person: each epoch once, in words (not Ray's per-report dicts), then a summary above the result line
     assert '"rank": 0' not in logs
     assert [line.count("steps in") for line in logs.splitlines() if "epoch 1: train" in line] == [1, 0]
@@ -455,6 +463,25 @@ def test_the_fine_tune_states_its_data_and_shows_progress_and_tensorboard(by_han
     scalars = EventAccumulator(str(run_dir / "tensorboard")).Reload()
     assert {"train/loss", "train/lr", "train/grad_norm", "epoch/eval_loss"} <= set(scalars.Tags()["scalars"])
     assert len(scalars.Scalars("epoch/eval_loss")) == 2
+    # the before/after scores: the base at step 0, the fine-tune at the last step
+    assert [e.step for e in scalars.Scalars("evaluation/heldout_loss/loss")] == [0, steps]
+
+
+def test_rescore_finds_the_runs_scores_with_lm_evals_own_hf_backend(by_hand, capsys):
+    """The README run's export and its base, re-scored by jobs/rescore.py (lm-eval's `hf` backend on the task YAMLs
+    the run wrote): exact match and ROUGE-L equal, the answers' loss (log-likelihoods) within 1e-4."""
+    import rescore
+
+    run_dir = Path(parse_result(by_hand["done"][1].stdout)["checkpoint"]).parent
+    for flags in ([], ["--base"]):
+        assert rescore.main([str(run_dir), *flags]) == 0
+        lines = [line.split() for line in capsys.readouterr().out.splitlines() if "  run " in line]
+        compared = {(task, metric): (float(run), float(here)) for task, metric, _, run, _, here in lines}
+        assert set(compared) == {("heldout", m) for m in ("exact_match", "rouge_l", "chrf")} | {
+            ("heldout_loss", "loss")
+        }
+        assert all(run == pytest.approx(here, abs=1e-4) for run, here in compared.values()), (flags, compared)
+    assert rescore.main([str(run_dir / "nowhere")]) == 2 and "has no evaluation.json" in capsys.readouterr().err
 
 
 def test_a_stopped_head_forgets_its_address_but_not_anothers(stale_ray_tmpdir, monkeypatch):

@@ -61,6 +61,7 @@ STACK_VALUES = {
     "columns": "prompt=question,completion=answer",
     "split": "train[:512]",
     "eval_split": "none",
+    "eval_tasks": "heldout,gsm8k",
 }
 
 
@@ -110,6 +111,21 @@ def test_the_job_refuses_the_same_values_naming_its_flags():
     with pytest.raises(JobInputError) as err:
         check(from_args(parse_args(["--warmup-ratio", "1.5", "--max-grad-norm", "-1", "--backend", "cpu"])))
     assert str(err.value) == "--warmup-ratio 1.5 must be below 1; --max-grad-norm -1.0 must be at least 0"
+
+
+def test_eval_tasks_are_checked_against_lm_evals_own_index_at_preview():
+    """A task name the installed lm-eval does not know, refused in the stack's words with the closest names;
+    known names, heldout and none accepted; a malformed list named."""
+    with pytest.raises(ConfigError) as err:
+        parse_as_cli({"evalTasks": "heldout,gsm8k,hellaswg,arc_esay"})
+    assert ("evalTasks: 'heldout,gsm8k,hellaswg,arc_esay' names tasks lm-eval 0.4.13 does not know: hellaswg "
+            "(closest: hellaswag") in str(err.value) and "arc_esay (closest: arc_easy" in str(err.value)  # fmt: skip
+    for accepted in ("heldout", "none", "heldout, arc_easy", "mmlu,gsm8k"):
+        assert parse_as_cli({"evalTasks": accepted}).job.eval_tasks == accepted
+    for bad, why in (("none,gsm8k", "give none alone"), ("heldout,,gsm8k", "is not a list of task names"),
+                     ("held out", "not a task name")):  # fmt: skip
+        with pytest.raises(ConfigError, match=why):
+            parse_as_cli({"evalTasks": bad})
 
 
 def test_the_optimizer_takes_the_weight_decay_setting():
