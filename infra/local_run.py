@@ -1,8 +1,9 @@
 """`make local`: the stack's job resource, create() for real, against a Ray head on this machine.
 
 Reads Pulumi.local.yaml like `pulumi up -s local` would, writes the tiny offline assets,
-starts a Ray head on 127.0.0.1, runs the collectives check then the fine-tune on CPU,
-prints the outputs the stack exports, and stops the head it started.
+starts a Ray head on 127.0.0.1, runs the collectives check then the fine-tune on CPU, then a preference
+stage (objective dpo) on the tiny pairs starting from the fine-tune's export, as a second stack would
+(`model: <the first run's model>`), prints the outputs the stack exports, and stops the head it started.
 
     python -m infra.local_run
 """
@@ -62,6 +63,19 @@ def print_outputs(outputs: dict) -> None:
           "costEstimate)")  # fmt: skip
 
 
+def preference_config(cfg: config.StackConfig, sft: dict, pairs: str) -> config.StackConfig:
+    """The DPO stage's settings: this stack's, on the tiny pairs, from the fine-tune's export."""
+    return local_config(objective="dpo", dataset=pairs, model=sft["checkpoint"], learningRate="5e-4")
+
+
+def print_preference_outputs(outputs: dict) -> None:
+    last = outputs["history"][-1]
+    print(f"\nDPO stage (objective dpo, from the fine-tune's export):\n  checkpoint:  {outputs['checkpoint']}")
+    print("  losses:      " + "; ".join(log_lines.epoch_losses(h) for h in outputs["history"]))
+    print(f"  rewards:     accuracies {last['rewards/accuracies']:.3f}, margins {last['rewards/margins']:.3f}; "
+          f"held-out pairs preferred {last.get('eval_rewards/accuracies', float('nan')):.1%}")  # fmt: skip
+
+
 def main() -> None:
     started = time.monotonic()
     cfg = local_config()
@@ -75,8 +89,11 @@ def main() -> None:
     with LocalRayHead(log_dir=logs) as head:
         print(f"Ray dashboard: {head.dashboard_url}", flush=True)
         outputs = run_jobs(cfg, head.dashboard_url)
+        print("the DPO stage: the tiny preference pairs, from the fine-tune's export", flush=True)
+        preferred = run_jobs(preference_config(cfg, outputs, assets["pairs"]), head.dashboard_url)
         print("stopping the Ray head", flush=True)
     print_outputs(outputs)
+    print_preference_outputs(preferred)
     print(f"done in {time.monotonic() - started:.0f}s")
 
 

@@ -113,11 +113,16 @@ def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
     share = (DOLLY_REAL_SHARE, 1.0) if cfg.job.packing else (1.0, 1.0)  # rows per record: packed or padded
     # the held-out share, forward only
     eval_share = 1 + (1 / data_formats.EVAL_SHARE) / 3 if cfg.job.eval_split != "none" else 1
+    # DPO: a pair is two padded rows (never packed), and its reference log-probabilities one forward pass over them
+    # before training (a third of a training step's compute)
+    sequences = 2 if cfg.job.objective == "dpo" else 1
+    reference = records * sequences * cfg.job.seq_len / 3 if sequences == 2 and records else 0.0
     if cfg.job.max_steps:  # the steps decide: each one global batch of full rows
-        rows = cfg.job.max_steps * cfg.job.batch_size * cfg.devices * cfg.job.grad_accum
-        minutes = [rows * cfg.job.seq_len * eval_share / tokens_per_s / 60] * 2
+        rows = cfg.job.max_steps * cfg.job.batch_size * cfg.devices * cfg.job.grad_accum * sequences
+        minutes = [(rows * cfg.job.seq_len * eval_share + reference) / tokens_per_s / 60] * 2
     else:
-        minutes = [records * s * cfg.job.epochs * cfg.job.seq_len * eval_share / tokens_per_s / 60 for s in share]
+        minutes = [(records * s * sequences * cfg.job.epochs * cfg.job.seq_len * eval_share + reference)
+                   / tokens_per_s / 60 for s in share]  # fmt: skip
     return minutes[0], minutes[1]
 
 

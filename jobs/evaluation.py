@@ -59,17 +59,17 @@ def per_token(items: list) -> float:
     return -sum(ll for ll, _ in items) / max(1, sum(n for _, n in items))
 
 
+def _records_task(task: str, records_file: str, output_type: str) -> dict:
+    """What both held-out tasks share: the records file (heldout.jsonl) as their one test split, prompt first."""
+    return {"task": task, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": records_file}},
+            "test_split": "test", "output_type": output_type, "doc_to_text": "{{prompt}}"}  # fmt: skip
+
+
 def task_config(records_file: str, stop: str | None) -> dict:
     """heldout: the answers generated, as heldout.yaml holds it (the ROUGE-L metric named there as !function).
     Answers are as long as the samples' and end at the chat template's end of turn (`stop`; Gemma 4's
     `<turn|>`)."""
-    return {
-        "task": TASK,
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": records_file}},
-        "test_split": "test",
-        "output_type": "generate_until",
-        "doc_to_text": "{{prompt}}",
+    return _records_task(TASK, records_file, "generate_until") | {
         "doc_to_target": "{{reference}}",
         "generation_kwargs": {"until": [stop] if stop else [], "do_sample": False, "max_gen_toks": NEW_TOKENS},
         "metric_list": [
@@ -84,13 +84,7 @@ def task_config(records_file: str, stop: str | None) -> dict:
 def loss_task_config(records_file: str, stop: str | None) -> dict:
     """heldout_loss: the reference answers' log-likelihood given their prompts (with the end of turn, as trained),
     per answer token."""
-    return {
-        "task": LOSS_TASK,
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": records_file}},
-        "test_split": "test",
-        "output_type": "loglikelihood",
-        "doc_to_text": "{{prompt}}",
+    return _records_task(LOSS_TASK, records_file, "loglikelihood") | {
         "doc_to_target": "{{reference}}" + (stop or ""),
         "target_delimiter": "",
         "process_results": "answer_loss",
@@ -140,8 +134,8 @@ def write_task(settings, tokenizer, run_dir: str) -> str | None:
     run has no held-out records or does not ask for them."""
     from storage import filesystem
 
-    if HELDOUT not in parse(settings.eval_tasks) or not settings.chat_template:
-        return None
+    if HELDOUT not in parse(settings.eval_tasks) or not settings.chat_template or settings.objective == "dpo":
+        return None  # (a DPO run's held-out pairs are scored at each eval: their preference accuracy)
     docs = held_out_docs(settings, tokenizer)
     if not docs:
         return None

@@ -66,6 +66,7 @@ class Workload:
     lora: bool = False
     lora_rank: int = 16
     loss_chunk: int = 256
+    sequences: int = 1  # rows a record makes: 2 for DPO (its chosen and rejected answers, in one forward pass)
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ def plan(model: ModelShape, workload: Workload, hbm_gib: float | None = None) ->
     trainable = trainable_params(model, workload)
     sharded = model.params - model.per_layer_table + (trainable if workload.lora else 0)
     gathered = model.embedding + 2 * model.largest_layer
-    tokens = workload.batch * workload.seq_len
+    tokens = workload.batch * workload.sequences * workload.seq_len
     per_token_layer = w * (8 * model.hidden + 2 * model.query_width + 2 * model.kv_width + 4 * model.mlp_width)
     per_token_layer += model.heads * workload.seq_len * (w + 4 + w)
     if workload.activation_checkpointing:

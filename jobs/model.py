@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch_tpu_api
 from checkpoints import is_sharded
+from chunked_loss import row_log_probs
 from lora import TARGET_PATTERN
 from memory_plan import ModelShape, shape_of
 from recipe import token_loss_sum
@@ -98,10 +99,14 @@ class TokenLoss(torch.nn.Module):
         self.causal_lm, self.loss_chunk, self.attention_kernels = causal_lm, loss_chunk, attention_kernels
         self.softcap = causal_lm.config.get_text_config().final_logit_softcapping
 
-    def forward(self, input_ids, labels, attention_mask=None, position_ids=None):
+    def forward(self, input_ids, labels, attention_mask=None, position_ids=None, per_row: bool = False):
+        """The token losses' sum; `per_row`: each row's sum of log p(label) instead (DPO's, dpo.py)."""
         with self.attention_kernels():
             out = self.causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                        use_cache=False)  # fmt: skip
+        if per_row:
+            return row_log_probs(out.last_hidden_state, self.causal_lm.lm_head.weight, labels, self.softcap,
+                                 self.loss_chunk)  # fmt: skip
         return token_loss_sum(out.last_hidden_state, self.causal_lm.lm_head.weight, labels, self.softcap,
                               self.loss_chunk)  # fmt: skip
 

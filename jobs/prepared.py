@@ -93,10 +93,11 @@ def data_report(settings, prepared: Prepared, workers: int) -> dict:
     global batch."""
     rows, needed = prepared.report["train_rows"], workers * settings.batch_size * settings.grad_accum
     if rows < needed:
-        kind = "packed rows" if settings.packing else "records"
+        kind = "pairs" if settings.objective == "dpo" else "packed rows" if settings.packing else "records"
         raise JobInputError(f"{rows} {kind} are fewer than one global batch ({workers} workers x "
                             f"{settings.batch_size} rows x {settings.grad_accum} accumulation = {needed})")  # fmt: skip
     return {
+        "objective": settings.objective,
         "dataset": settings.dataset,
         "split": settings.split,
         "eval_split": settings.eval_split,
@@ -120,7 +121,8 @@ def print_data_report(report: dict) -> None:
         f"({report['split']}: {report['train_records']}), "
         f"{t['records_used']} used ({t['truncated']} truncated, {t['dropped']} dropped at --seq-len); "
         f"{t['tokens']:,} tokens, {t['predicted_share']:.1%} of them trained on; longest "
-        f"{t['longest_record_tokens']} tokens ({t['longest_record']}); {report['train_rows']} rows, "
+        f"{t['longest_record_tokens']} tokens ({t['longest_record']}); {report['train_rows']} "
+        f"{'pairs (not packed)' if report.get('objective') == 'dpo' else 'rows'}, "
         f"{report['steps_per_epoch']} steps an epoch",
         flush=True,
     )

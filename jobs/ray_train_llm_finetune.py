@@ -68,8 +68,8 @@ from evaluation import before_after, read_evaluation, write_task
 from log_lines import HARMLESS_RAY_LINE, closing_summary, devices_used, epoch_line, one_line, quiet_ray_reports
 from lora import trainable_and_total
 from memory_plan import Workload, plan
+from objectives import prepare_data, training_data
 from outcome import exit_code
-from prepare import prepare
 from prepared import data_report, print_data_report
 from recipe import Schedule
 from render import load_tokenizer
@@ -86,7 +86,6 @@ from run_files import (
     write_run_report,
 )
 from settings import DEFAULT_RUN_PREFIX, FinetuneSettings, check, worker_count
-from step import TrainingData
 from storage import probe, ray_storage
 from tpu_generations import by_accelerator_type
 from training_run import Hooks, Progress, RunState, TrainingRun, log_every, resumed_state
@@ -124,7 +123,7 @@ def train_loop_per_worker(config: dict) -> None:
     optimizer = adamw(trainee, settings)
     checkpointer = ShardedCheckpointer(trainee.model, optimizer, rank, settings.async_checkpoint)
     state = resume(restored, checkpointer, settings.storage_path, rank, world)
-    data = TrainingData(settings, trainee.tokenizer, rank, world, config["data"])
+    data = training_data(settings, trainee.tokenizer, rank, world, config["data"])
     schedule = Schedule.planned(settings, data.steps)
     progress = Progress(settings.log_every or log_every(data.steps), schedule.total_steps, rank, tensorboard(ctx, rank),
                         data.steps)  # fmt: skip
@@ -182,7 +181,7 @@ def model_sizes(trainee: Trainee, settings: FinetuneSettings, world: int, dtype:
     workload = Workload(
         devices=world // settings.num_slices, batch=settings.batch_size, seq_len=settings.seq_len, dtype_bytes=2 if dtype == "bfloat16" else 4,
         activation_checkpointing=settings.activation_checkpointing, lora=settings.lora,
-        lora_rank=settings.lora_rank, loss_chunk=settings.loss_chunk,
+        lora_rank=settings.lora_rank, loss_chunk=settings.loss_chunk, sequences=2 if settings.objective == "dpo" else 1,
     )  # fmt: skip
     return {"trainable_params": trainable, "total_params": total,
             "memory_plan_gib": round(plan(trainee.shape, workload).total_gib, 3)}  # fmt: skip
@@ -339,10 +338,10 @@ def run(settings: FinetuneSettings) -> dict:
     on_cluster = bool(os.environ.get("RAY_ADDRESS"))
     count = worker_count(settings)
     tokenizer = load_tokenizer(settings.tokenizer_ref)
-    prepared = prepare(settings, tokenizer, lambda: connect_ray(count) if on_cluster else None)
+    prepared = prepare_data(settings, tokenizer, lambda: connect_ray(count) if on_cluster else None)
     report = data_report(settings, prepared, count)
     print_data_report(report)
-    run_name = settings.run_name or f"{DEFAULT_RUN_PREFIX}{int(time.time())}"
+    run_name = settings.run_name or DEFAULT_RUN_PREFIX.replace("sft", settings.objective) + str(int(time.time()))
     report_file = write_data_report(settings.storage_path, run_name, report)
     if settings.preflight:
         return {"run_name": run_name, "data_report": report, "data_report_file": report_file}

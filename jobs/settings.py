@@ -17,7 +17,6 @@ Ray-free: the stack imports it (infra/job_modules.py).
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import sys
 import types
@@ -27,7 +26,8 @@ from dataclasses import asdict, dataclass, fields
 import eval_tasks
 from backend import BACKENDS, DTYPES
 from data_formats import DEFAULT_DATASET, HUB_SPLIT, OVERLONG, default_split
-from declared import declared, setting
+from declared import declared, number, setting, value_problem
+from dpo import LOSSES as DPO_LOSSES
 from outcome import JobInputError
 from recipe import SCHEDULES
 from render import parse_columns
@@ -35,6 +35,7 @@ from splits import EXAMPLES, eval_split_problem, is_split
 from tpu_generations import ACCELERATOR_TYPES, by_accelerator_type, chips_of, is_topology
 
 RECIPES = ("default", "walkthrough")
+OBJECTIVES = ("sft", "dpo")
 ATTENTION = ("eager", "sdpa")  # transformers' attn_implementation
 DEFAULT_RUN_PREFIX = "torchtpu_gemma4_fsdp2_sft_"
 DEFAULT_STORAGE = "$STORAGE_PATH, else ~/ray_results"
@@ -81,6 +82,14 @@ class FinetuneSettings:
     overlong: str = setting("truncate", "records longer than {seq_len}: truncate or drop (the data report counts "
                             "either)", key="overlong", choices=OVERLONG)  # fmt: skip
     # ---- the recipe
+    objective: str = setting("sft", "what is trained: sft (supervised: the answers' tokens) or dpo (preference pairs: "
+                             "prompt, chosen, rejected; Direct Preference Optimization against the starting "
+                             "weights, whose log-probabilities are computed once; rows are not packed)",
+                             key="objective", choices=OBJECTIVES)  # fmt: skip
+    dpo_beta: float = setting(0.1, "DPO's beta: how far from the starting model the preferences may pull (TRL's "
+                              "default)", key="dpoBeta", low=0, low_open=True, high=100)  # fmt: skip
+    dpo_loss: str = setting("sigmoid", "DPO's loss: sigmoid (the DPO paper's) or ipo (its log-ratios per answer "
+                            "token, as TRL computes it)", key="dpoLoss", choices=DPO_LOSSES)  # fmt: skip
     epochs: int = setting(3, "epochs", key="epochs", aliases=("--num-epochs",), low=1, high=1000,
                           high_why="more epochs than any fine-tune of this size needs")  # fmt: skip
     batch_size: int = setting(4, "rows per device in each micro-batch", key="batchSize",
@@ -93,7 +102,8 @@ class FinetuneSettings:
     seq_len: int = setting(512, "tokens per training row; each record is truncated to it", key="seqLen", low=1,
                            high=131072, high_why="Gemma 4's longest context")  # fmt: skip
     packing: bool = setting(None, "pack whole records into full rows (positions restart per record, no attention "
-                            "across records), so no compute goes to padding; off: one record per padded row",
+                            "across records), so no compute goes to padding; off: one record per padded row "
+                            "(always off with {objective} dpo)",
                             key="packing", recipes={"default": True, "walkthrough": False})  # fmt: skip
     chat_template: bool = setting(None, "render each record with the tokenizer's chat template (the model turn "
                                   "alone is trained, with its end-of-turn marker); off: the walkthrough's "
@@ -180,8 +190,10 @@ class FinetuneSettings:
                                  "more than this)", low=1)  # fmt: skip
 
     def __post_init__(self) -> None:
-        if self.split is None:  # the one default that depends on another setting
+        if self.split is None:  # the defaults that depend on another setting
             object.__setattr__(self, "split", default_split(self.dataset))
+        if self.objective == "dpo" and self.packing:  # a pair's two rows are compared: never packed
+            object.__setattr__(self, "packing", False)
 
     @property
     def tokenizer_ref(self) -> str:
@@ -229,11 +241,6 @@ def help_text(name: str, name_of) -> str:
 
 def shown(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def number(x: float) -> str:
-    """A bound as a person reads it: 10,000,000 rather than 1e+07."""
-    return f"{int(x):,}" if float(x).is_integer() else f"{x:g}"
 
 
 def bounds_text(name: str) -> str:
@@ -284,19 +291,7 @@ class Problem:
 
 
 def _declared_problem(name: str, value) -> str | None:
-    d = declared(SETTINGS[name])
-    if value is None:
-        return None if SETTINGS[name].default is None and not d.recipes else "must be set"
-    if d.choices and value not in d.choices:
-        return f"is not one of {', '.join(map(str, d.choices))}"
-    if isinstance(value, float) and not math.isfinite(value):
-        return "must be a finite number"
-    if d.low is not None and (value < d.low or (d.low_open and value == d.low)):
-        return f"must be {'greater than' if d.low_open else 'at least'} {number(d.low)}"
-    if d.high is not None and (value > d.high or (d.high_open and value == d.high)):
-        why = f" ({d.high_why})" if d.high_why else ""
-        return f"must be {'below' if d.high_open else 'at most'} {number(d.high)}{why}"
-    return None
+    return value_problem(SETTINGS[name], value)
 
 
 def problems(s: FinetuneSettings) -> list[Problem]:
@@ -312,6 +307,10 @@ def problems(s: FinetuneSettings) -> list[Problem]:
             found.append(Problem("columns", s.columns, f"is not NEW=OLD pairs: {str(err).split(': ', 1)[-1]}"))
     if s.dataset_config is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", s.dataset_config):
         found.append(Problem("dataset_config", s.dataset_config, "is not a configuration name such as 'en'"))
+    if s.objective == "dpo" and s.dataset == DEFAULT_DATASET:
+        found.append(Problem("dataset", s.dataset, "holds instructions, not preference pairs: {objective} dpo needs "
+                             "records with prompt, chosen and rejected (or chosen and rejected alone), such as the "
+                             "hub's trl-lib/ultrafeedback_binarized or a file of your own"))  # fmt: skip
     if why := eval_tasks.problem(s.eval_tasks):
         found.append(Problem("eval_tasks", s.eval_tasks, why))
     if not is_split(s.split):

@@ -32,15 +32,9 @@ class TrainingData:
         from prepared import PreparedRows, local_directory
 
         if prepared is None:
-            import fcntl
-
             from prepare import prepare
 
-            scratch = os.path.join(tempfile.gettempdir(), "gemma-tpu-scratch")
-            os.makedirs(scratch, exist_ok=True)
-            with open(os.path.join(scratch, ".lock"), "w") as lock:  # ranks in processes of one machine: one prepares
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                prepared = prepare(replace(settings, storage_path=scratch), tokenizer).uri
+            prepared = scratch_prepared(settings, tokenizer, prepare)
         directory = local_directory(prepared)
         left = not settings.packing and getattr(tokenizer, "padding_side", "right") == "left"
         shape = (settings.seq_len, tokenizer.pad_token_id, settings.packing, left)
@@ -59,6 +53,18 @@ class TrainingData:
         that goes on mid-epoch sees the very rows an unbroken one would."""
         self.sampler.set_epoch(epoch)
         self.sampler.skip = step_in_epoch * self.rows_per_step
+
+
+def scratch_prepared(settings, tokenizer, prepare) -> str:
+    """The data prepared by `prepare` into this machine's temp dir (a test in processes of its own, without a
+    driver): one rank of the machine prepares, the others wait and reuse it."""
+    import fcntl
+
+    scratch = os.path.join(tempfile.gettempdir(), "gemma-tpu-scratch")
+    os.makedirs(scratch, exist_ok=True)
+    with open(os.path.join(scratch, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return prepare(replace(settings, storage_path=scratch), tokenizer).uri
 
 
 @cache

@@ -1,9 +1,10 @@
-"""Tiny offline stand-ins for the cloud assets: a Gemma 4 model, its tokenizer, a Dolly-like dataset.
+"""Tiny offline stand-ins for the cloud assets: a Gemma 4 model, its tokenizer, a Dolly-like dataset and
+preference pairs made from it.
 
 Same classes and formats as the real ones, small enough for a CPU, made without a network:
 
     python jobs/tiny_assets.py --out .local/assets
-    # -> .local/assets/{model,dolly.jsonl}; the model directory holds the tokenizer too
+    # -> .local/assets/{model,dolly.jsonl,pairs.jsonl}; the model directory holds the tokenizer too
 """
 
 from __future__ import annotations
@@ -174,24 +175,42 @@ def make_model(out: Path, vocab_size: int, seed: int = 0, size: str = "tiny") ->
     return out
 
 
-# Bumped whenever what make_all writes changes: older assets are then made again (2: the chat template).
-ASSETS_VERSION = "2"
+def make_pairs(path: Path, dataset: Path, seed: int = 0) -> Path:
+    """Preference pairs (TRL's conversational format) from the tiny Dolly records: each instruction's own response
+    chosen over another record's, for --objective dpo."""
+    rng = random.Random(seed)
+    records = [json.loads(line) for line in dataset.read_text().splitlines()]
+    with open(path, "w") as f:
+        for i, r in enumerate(records):
+            other = records[(i + rng.randrange(1, len(records))) % len(records)]
+            f.write(json.dumps({"prompt": [{"role": "user", "content": r["instruction"]}],
+                                "chosen": [{"role": "assistant", "content": r["response"]}],
+                                "rejected": [{"role": "assistant", "content": other["response"]}]}) + "\n")  # fmt: skip
+    return path
+
+
+# Bumped whenever what make_all writes changes: older assets are then made again (2: the chat template; 3: pairs).
+ASSETS_VERSION = "3"
 
 
 def make_all(out: Path) -> dict[str, str]:
-    """Write the model (with tokenizer) and the dataset under `out`; returns their paths.
+    """Write the model (with tokenizer), the dataset and the preference pairs under `out`; returns their paths.
     Assets an older version of this file made are replaced."""
     model_dir, data_file, stamp = out / "model", out / "dolly.jsonl", out / ".assets_version"
+    pairs_file = out / "pairs.jsonl"
     if not stamp.exists() or stamp.read_text() != ASSETS_VERSION:
         shutil.rmtree(model_dir, ignore_errors=True)
         data_file.unlink(missing_ok=True)
+        pairs_file.unlink(missing_ok=True)
     if not (model_dir / "config.json").exists():
         tokenizer = make_tokenizer(model_dir)
         make_model(model_dir, vocab_size=len(tokenizer))
     if not data_file.exists():
         make_dataset(data_file)
+    if not pairs_file.exists():
+        make_pairs(pairs_file, data_file)
     stamp.write_text(ASSETS_VERSION)
-    return {"model": str(model_dir), "dataset": str(data_file)}
+    return {"model": str(model_dir), "dataset": str(data_file), "pairs": str(pairs_file)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,7 +20,7 @@ import stopping
 from backend import worker_print
 from checkpoints import epoch_dir_name, step_dir_name
 from log_lines import one_line
-from step import evaluate, micro_batch_groups, train_step
+from step import micro_batch_groups
 
 
 @dataclass(frozen=True)
@@ -33,15 +33,24 @@ class Sums:
     real: float = 0.0
     steps: int = 0
     seconds: float = 0.0
+    metrics: tuple = ()  # the objective's own sums (DPO's rewards and log-probabilities: dpo.METRICS)
 
     def __add__(self, other: Sums) -> Sums:
+        metrics = tuple(a + b for a, b in zip(self.metrics, other.metrics, strict=True)) if self.metrics and \
+            other.metrics else self.metrics or other.metrics  # fmt: skip
         return Sums(self.loss + other.loss, self.predicted + other.predicted, self.real + other.real,
-                    self.steps + other.steps, self.seconds + other.seconds)  # fmt: skip
+                    self.steps + other.steps, self.seconds + other.seconds, metrics)  # fmt: skip
 
     @property
     def mean_loss(self) -> float:
-        """The loss per predicted token."""
+        """The loss per predicted token (DPO: per pair)."""
         return self.loss / max(self.predicted, 1)
+
+    def means(self) -> dict[str, float]:
+        """The objective's metrics as means (per pair: TRL's rewards/accuracies, ...)."""
+        from dpo import METRICS
+
+        return {m: v / max(self.predicted, 1) for m, v in zip(METRICS, self.metrics, strict=False)}
 
 
 @dataclass(frozen=True)
@@ -64,16 +73,18 @@ class RunState:
         e, line = self.epoch_sums, self.line_sums
         return {"epoch": self.epoch, "step": self.step, "history": list(self.history), "evals": list(self.evals),
                 "running": {"loss_sum": e.loss, "predicted": e.predicted, "real": e.real, "steps": e.steps,
-                            "elapsed_s": e.seconds},
-                "progress": {"loss_sum": line.loss, "predicted": line.predicted, "real": line.real},
+                            "elapsed_s": e.seconds, "metrics": list(e.metrics)},
+                "progress": {"loss_sum": line.loss, "predicted": line.predicted, "real": line.real,
+                             "metrics": list(line.metrics)},
                 "attempt": self.attempt, "world_size": self.world_size, "base_scores": self.base_scores}  # fmt: skip
 
     @classmethod
     def from_json(cls, saved: dict) -> RunState:
         running, progress = saved.get("running") or {}, saved.get("progress") or {}
         epoch_sums = Sums(running.get("loss_sum", 0.0), running.get("predicted", 0.0), running.get("real", 0.0),
-                          running.get("steps", 0), running.get("elapsed_s", 0.0))  # fmt: skip
-        line_sums = Sums(progress.get("loss_sum", 0.0), progress.get("predicted", 0.0), progress.get("real", 0.0))
+                          running.get("steps", 0), running.get("elapsed_s", 0.0), tuple(running.get("metrics", ())))  # fmt: skip
+        line_sums = Sums(progress.get("loss_sum", 0.0), progress.get("predicted", 0.0), progress.get("real", 0.0),
+                         metrics=tuple(progress.get("metrics", ())))  # fmt: skip
         return cls(saved["epoch"], saved["step"], epoch_sums, line_sums, tuple(saved.get("history", ())),
                    tuple(saved.get("evals", ())), saved.get("attempt", 1), saved.get("world_size", 1),
                    saved.get("base_scores"))  # fmt: skip
@@ -104,9 +115,13 @@ class TokenSums:
         self.device, self.steps, self.predicted, self.real = device, 0, 0.0, 0.0
         self.dtype = torch.float64 if device.type == "cpu" else torch.float32
         self.loss = torch.zeros((), dtype=self.dtype, device=device)
+        self.metrics = None  # the objective's own sums (DPO's), on the device too
 
     def add(self, result) -> None:
         self.loss += result.loss_sum.to(self.dtype)
+        extra = getattr(result, "metric_sums", None)
+        if extra is not None:
+            self.metrics = extra.to(self.dtype) if self.metrics is None else self.metrics + extra.to(self.dtype)
         self.predicted += result.counts[0]
         self.real += result.counts[1]
         self.steps += 1
@@ -115,7 +130,11 @@ class TokenSums:
         import torch.distributed as dist
 
         dist.all_reduce(self.loss, op=dist.ReduceOp.SUM)
-        sums = Sums(float(self.loss), self.predicted, self.real, self.steps, seconds)
+        metrics = ()
+        if self.metrics is not None:
+            dist.all_reduce(self.metrics, op=dist.ReduceOp.SUM)
+            metrics, self.metrics = tuple(self.metrics.tolist()), None
+        sums = Sums(float(self.loss), self.predicted, self.real, self.steps, seconds, metrics)
         self.loss.zero_()
         self.steps, self.predicted, self.real = 0, 0.0, 0.0
         return sums
@@ -135,11 +154,12 @@ class Progress:
 
     def line(self, done: int, sums: Sums, lr: float, grad_norm: float, compiles: dict | None = None) -> None:
         values = {"loss": sums.mean_loss, "lr": lr, "grad_norm": grad_norm,
-                  "real_tokens_per_s": sums.real / sums.seconds if sums.seconds else 0.0}  # fmt: skip
+                  "real_tokens_per_s": sums.real / sums.seconds if sums.seconds else 0.0} | sums.means()  # fmt: skip
         if self.rank != 0:
             return
         compiled = "".join(f"  {name.replace('_', ' ')} {count}" for name, count in (compiles or {}).items())
-        worker_print(f"{self.where(done)}  loss {values['loss']:.4f}  lr {values['lr']:.3g}  "
+        preferred = "".join(f"  {m} {values[m]:.4f}" for m in ("rewards/accuracies", "rewards/margins") if m in values)
+        worker_print(f"{self.where(done)}  loss {values['loss']:.4f}{preferred}  lr {values['lr']:.3g}  "
                      f"grad_norm {values['grad_norm']:.3f}  real tok/s {values['real_tokens_per_s']:,.0f}{compiled}")  # fmt: skip
         if self.board is not None:
             for name, value in values.items():
@@ -160,7 +180,9 @@ class Progress:
         if self.rank != 0:
             return
         if held_out.get("eval_loss") is not None:
-            worker_print(f"eval at step {step}: loss {held_out['eval_loss']:.4f}")
+            accuracy = held_out.get("eval_rewards/accuracies")
+            preferred = "" if accuracy is None else f", chosen preferred {accuracy:.1%}"
+            worker_print(f"eval at step {step}: loss {held_out['eval_loss']:.4f}{preferred}")
         for i, sample in enumerate(samples):
             worker_print(f"  sample {i}: {one_line(sample['completion'], 160)}")
         if self.board is not None:
@@ -213,11 +235,12 @@ class TrainingRun:
     """The run on this rank: `run(state)` goes from `state` to the last planned step (schedule.total_steps)."""
 
     def __init__(self, trainee, optimizer, data, schedule, settings, device, rank: int, world: int, hooks: Hooks):
-        from samples import held_out_prompts
+        from objectives import objective_of
 
         self.trainee, self.optimizer, self.data, self.schedule = trainee, optimizer, data, schedule
         self.settings, self.device, self.rank, self.world, self.hooks = settings, device, rank, world, hooks
-        self.prompts = held_out_prompts(data.eval, trainee.tokenizer, settings) if data.eval is not None else []
+        self.objective = objective_of(settings)
+        self.prompts = self.objective.prompts(self) if data.eval is not None else []
         self.sums = TokenSums(device)
         self.clock = time.perf_counter()  # training time since the last read of the sums (evals left out)
         self.last = None  # the last step's StepResult
@@ -227,6 +250,7 @@ class TrainingRun:
         """From `state` (resumed_state's) to the last planned step, or the end of epoch `epochs` (for a test); with
         an evaluation hook, the base model scored before the first step and the fine-tune after the last."""
         evaluation = self.hooks.evaluation
+        self.objective.ready(self, state)
         if evaluation is not None and state.step == 0 and state.base_scores is None:
             state = replace(state, base_scores=evaluation.score(self.trainee))
         while state.step < self.schedule.total_steps and (epochs is None or state.epoch < epochs):
@@ -241,9 +265,8 @@ class TrainingRun:
         self.clock = time.perf_counter()
         for group in micro_batch_groups(self.data.loader, settings.grad_accum):
             notice = stopping.preemption_notice() if settings.sharded_checkpoints else None
-            self.last = train_step(self.trainee.loss, self.optimizer, group, self.schedule.at(state.step),
-                                   settings.max_grad_norm, settings.packing, self.device, stopping.requested(),
-                                   notice is not None)  # fmt: skip
+            self.last = self.objective.step(self, group, self.schedule.at(state.step), stopping.requested(),
+                                            notice is not None)  # fmt: skip
             self.sums.add(self.last)
             if self.compiled is None:
                 from model import compile_counts
@@ -305,7 +328,8 @@ class TrainingRun:
                    "steps": sums.steps, "lr": self.last.lr, "grad_norm": float(self.last.grad_norm)}  # fmt: skip
         metrics = self.hooks.epoch_metrics(epoch, trained, held_out, sums.seconds) | {
             "step": step, "share": step / self.schedule.total_steps,
-        } | self.recompiles()  # fmt: skip
+        } | self.recompiles() | sums.means() | {k: v for k, v in held_out.items()
+                                                                if k.startswith(("eval_rewards", "eval_logps"))}  # fmt: skip
         self.hooks.progress.epoch(metrics)
         state = replace(state, epoch=epoch, history=(*state.history, metrics), epoch_sums=Sums())
         whole = step == epoch * self.data.steps
@@ -336,12 +360,11 @@ class TrainingRun:
         import torch
         from samples import answer
 
-        data, settings = self.data, self.settings
+        data = self.data
         held_out = {}
         with torch.compiler.set_stance("force_eager"):
             if data.eval is not None:
-                held_out = evaluate(self.trainee.loss, data.eval, settings.batch_size, settings.packing, self.rank,
-                                    self.world, self.device)  # fmt: skip
+                held_out = self.objective.evaluate(self)
             samples = answer(self.trainee, self.prompts, self.device, self.world) if self.prompts else []
         if self.hooks.samples is not None and samples:
             self.hooks.samples.add(step, samples)

@@ -70,8 +70,8 @@ def run(settings, rank: int = 0, world: int = 1, epochs: int | None = None, on_s
     import stopping
     import torch
     from checkpoints import ShardedCheckpointer
+    from objectives import training_data
     from recipe import Schedule
-    from step import TrainingData
     from training_run import Hooks, Progress, TrainingRun, resumed_state
 
     torch.manual_seed(settings.seed)
@@ -83,7 +83,7 @@ def run(settings, rank: int = 0, world: int = 1, epochs: int | None = None, on_s
     if resume_from:
         checkpointer.load(resume_from, same_world=saved["world_size"] == world)
     state = resumed_state(saved, world)
-    data = TrainingData(settings, trainee.tokenizer, rank, world)
+    data = training_data(settings, trainee.tokenizer, rank, world)
     schedule = Schedule.planned(settings, data.steps)
     save = DirectorySaver(checkpointer, root, rank) if root else (lambda *_: None)
     hooks = Hooks(save, lambda _epoch, trained, held_out, _elapsed: trained | held_out,

@@ -62,7 +62,9 @@ STACK_VALUES = {
     "split": "train[:512]",
     "eval_split": "none",
     "eval_tasks": "heldout,gsm8k",
+    "objective": "dpo",
 }
+ALSO = {"objective": {"dataset": "org/pairs"}}  # the keys a value needs beside it
 
 
 def stack_text(value) -> str:
@@ -76,7 +78,8 @@ def test_every_stack_key_reaches_the_job_under_its_settings_name(name):
     from infra.training import training_settings
 
     value = STACK_VALUES.get(name, other_value(name))
-    cfg = parse_as_cli({stack_keys()[name]: stack_text(value)})
+    also = {stack_keys()[n]: v for n, v in ALSO.get(name, {}).items()}
+    cfg = parse_as_cli({stack_keys()[name]: stack_text(value)} | also)
     assert getattr(cfg.job, name) == value
     finetune = job_specs(training_settings(cfg), cfg.job.max_failures)[1]
     assert getattr(from_args(parse_args(list(finetune.args))), name) == value

@@ -243,7 +243,7 @@ def test_training_jobs_resource(run):
     topology, accelerator = {"v6e": ("4x4", "TPU-V6E"), "tpu7x": ("2x2x2", "TPU-V7X")}[run.stack]
     assert training["settings"] == {  # the fine-tune's settings (jobs/settings.py) but maxFailures and the unset
         "recipe": "default", "model": "google/gemma-4-E2B-it", "dataset": "databricks/databricks-dolly-15k",
-        "split": "train[:1024]", "eval_split": "auto", "eval_tasks": "heldout", "eval_limit": 64, "overlong": "truncate",
+        "split": "train[:1024]", "eval_split": "auto", "eval_tasks": "heldout", "eval_limit": 64, "objective": "sft", "dpo_beta": 0.1, "dpo_loss": "sigmoid", "overlong": "truncate",
         "epochs": 3, "batch_size": 4, "grad_accum": 1, "seq_len": 512,
         "packing": True, "chat_template": True, "prompt_loss": False,
         "lr": 2e-05, "lr_schedule": "cosine", "warmup_ratio": 0.03, "max_grad_norm": 1.0, "weight_decay": 0.01,
@@ -418,6 +418,34 @@ def test_31b_at_four_rows_of_4096_tokens_is_told_a_full_fine_tune_that_fits_and_
     accepted = run_program("v6e", stack_config("v6e", model="google/gemma-4-31B-it", seqLen="4096", **keys))
     plan = accepted.outputs["memoryPlan"]
     assert plan["fits"] and plan["total_gib"] == pytest.approx(24.8, abs=0.05) and plan["devices"] == 32
+
+
+def test_objective_dpo_previews_with_two_rows_a_pair_in_its_memory_plan_and_price():
+    """objective: dpo on the v6e stack: the plan holds two sequences a record (chosen and rejected), the price two
+    padded rows a pair and the reference pass, and the job is sent --objective dpo with its beta and loss; with
+    the walkthrough's Dolly as its data it is refused at preview."""
+    from command_line import from_args, parse_args
+
+    from infra.config import ConfigError
+    from infra.prices import training_minutes
+    from tests.stack_harness import parse_as_cli
+
+    pairs = {"objective": "dpo", "dataset": "trl-lib/ultrafeedback_binarized"}
+    sft, dpo = (run_program("v6e", stack_config("v6e", **extra)).outputs for extra in ({}, pairs))
+    assert dpo["memoryPlan"]["fits"] and dpo["memoryPlan"]["activations"] == pytest.approx(
+        2 * sft["memoryPlan"]["activations"], abs=0.02)  # (both rounded to 0.01 GiB)  # fmt: skip
+    assert dpo["costEstimate"]["training_minutes"][1] > sft["costEstimate"]["training_minutes"][1]
+    # 1024 pairs x 2 padded rows x 3 epochs (+1/48 held out) and a forward pass over them, at 20,300 tokens/s
+    minutes = training_minutes(parse_as_cli(pairs))
+    assert minutes == pytest.approx(((1024 * 2 * 3 * 512 * (1 + 1 / 48) + 1024 * 2 * 512 / 3) / 20_300 / 60,) * 2)
+    from infra.runner.ray_jobs import job_specs
+
+    settings = run_program("v6e", stack_config("v6e", **pairs, dpoBeta="0.2")).one(
+        "pulumi-python:dynamic:Resource", "training").inputs["settings"]  # fmt: skip
+    job = from_args(parse_args(list(job_specs(settings, 3)[1].args)))  # the job's command line, as the stack sends it
+    assert (job.objective, job.dpo_beta, job.dpo_loss, job.packing) == ("dpo", 0.2, "sigmoid", False)
+    with pytest.raises(ConfigError, match="holds instructions, not preference pairs: gemma-tpu:objective dpo"):
+        run_program("v6e", stack_config("v6e", objective="dpo"))
 
 
 def test_31b_on_v6e_is_refused_with_its_advice_then_accepted_with_activation_checkpointing():

@@ -301,7 +301,8 @@ def run_job(client, props: dict, spec: JobSpec, policy: RetryPolicy, needs_slice
     if spec.name in ("preflight", "finetune"):
         # One Ray Train run per definition: a new attempt resumes from its checkpoints. The preflight
         # writes its data report where that run will be.
-        spec = JobSpec(spec.name, spec.script, (*spec.args, "--run-name", f"sft-{base_id(props, 'finetune')}"))
+        objective = props["settings"].get("objective", "sft")  # (sft- for every run before DPO: their names kept)
+        spec = JobSpec(spec.name, spec.script, (*spec.args, "--run-name", f"{objective}-{base_id(props, 'finetune')}"))
     runtime_env = {"working_dir": str(JOBS_DIR), "excludes": UPLOAD_EXCLUDES}
     submission_id = find_or_submit(client, spec, job_base, runtime_env, policy, log, needs_slice)
     try:

@@ -1,0 +1,264 @@
+"""DPO (jobs/dpo.py, jobs/preference_data.py): pairs tokenized as TRL's DPOTrainer tokenizes them, bad records named
+by file and line, the loss invariant to how a global batch of pairs is split, and the same losses and reward
+accuracies as TRL's DPOTrainer (trl 1.16.0) step for step on the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.inprocess import build, settings
+
+STEPS = 3
+
+
+def preference_records(dataset: str, n: int, conversational: bool) -> list[dict]:
+    """Pairs from the tiny Dolly data: a record's response chosen over the next record's."""
+    records = [json.loads(line) for line in open(dataset)][: n + 1]
+    pairs = []
+    for a, b in zip(records, records[1:], strict=False):
+        prompt, chosen, rejected = a["instruction"], a["response"], b["response"]
+        if conversational:
+            prompt = [{"role": "user", "content": prompt}]
+            chosen, rejected = [{"role": "assistant", "content": chosen}], [{"role": "assistant", "content": rejected}]
+        pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    return pairs
+
+
+def test_bad_preference_records_are_named_by_file_and_line(tiny_assets, tmp_path):
+    from outcome import JobInputError
+    from preference_data import read_pairs
+    from render import load_tokenizer
+
+    good = preference_records(tiny_assets["dataset"], 4, conversational=False)
+    bad = [{"prompt": "q", "chosen": "same", "rejected": "same"}, {"prompt": "q", "chosen": "a"},
+           {"prompt": "q", "chosen": " ", "rejected": "b"},
+           {"prompt": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "b"}]  # fmt: skip
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in good[:2] + bad[:3] + good[2:]))
+    config = settings({"model": tiny_assets["model"], "dataset": str(path)}, "--split", "train", "--eval-split",
+                      "none")  # fmt: skip
+    with pytest.raises(JobInputError) as err:
+        read_pairs(config, load_tokenizer(config.tokenizer_ref))
+    assert str(err.value).splitlines() == [
+        "3 bad preference records:",
+        f"  {path}, line 3: chosen and rejected are the same; a pair must prefer one answer to another",
+        f"  {path}, line 4: rejected is missing",
+        f"  {path}, line 5: chosen is empty",
+    ]
+    from preference_data import preference_record
+    from render import RecordError
+
+    with pytest.raises(RecordError, match="mixes text and turns"):
+        preference_record(bad[3])
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_each_rows_log_probability_chunked_equals_the_whole_logits(softcap):
+    """chunked_loss.row_log_probs: N positions at a time, recomputed in the backward pass, against autograd through
+    the whole logits (a soft-cap small enough to bend them), values and gradients."""
+    import torch
+    from chunked_loss import row_log_probs
+
+    torch.manual_seed(0)
+    hidden = torch.randn(4, 9, 6, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(13, 6, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 13, (4, 9))
+    labels[:, :3], labels[3, 6:] = -100, -100  # a prompt, and a padded row
+    weights = torch.randn(4, dtype=torch.float64)
+    results = []
+    for chunk in (0, 5):
+        values = row_log_probs(hidden, weight, labels, softcap, chunk)
+        (values * weights).sum().backward()
+        results.append((values.detach(), hidden.grad.clone(), weight.grad.clone()))
+        hidden.grad = weight.grad = None
+    (whole, *whole_grads), (chunked, *chunked_grads) = results
+    assert torch.allclose(whole, chunked, atol=1e-5) and whole.abs().min() > 1
+    for a, b in zip(whole_grads, chunked_grads, strict=True):
+        assert torch.allclose(a.float(), b.float(), atol=1e-5)
+
+
+def trl_trainer(model_dir: str, records: list[dict], out, seq_len: int, lr: float, beta: float, loss: str,
+                batch: int):  # fmt: skip
+    """TRL's DPOTrainer on the tiny model, its per-layer table frozen as the job freezes it."""
+    from datasets import Dataset
+    from model import freeze_per_layer_embeddings, load_model
+    from render import load_tokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    model = load_model(model_dir, "float32")
+    freeze_per_layer_embeddings(model)
+    config = DPOConfig(output_dir=str(out), per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+                       learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
+                       weight_decay=0.0, beta=beta, loss_type=[loss], max_steps=STEPS, logging_steps=1,
+                       report_to=[], use_cpu=True, precompute_ref_log_probs=True, max_length=seq_len,
+                       save_strategy="no", seed=0, bf16=False, dataloader_drop_last=True)  # fmt: skip
+    return DPOTrainer(model=model, args=config, train_dataset=Dataset.from_list(records),
+                      processing_class=load_tokenizer(model_dir))  # fmt: skip
+
+
+def our_steps(trainee, optimizer, pairs, seq_len: int, lr: float, beta: float, loss: str, splits: int = 1,
+              rank: int = 0, world: int = 1) -> list[dict]:  # fmt: skip
+    """STEPS optimizer steps of dpo.dpo_step over the whole of `pairs` as one global batch (this rank's share in
+    `splits` micro-batches): the loss and TRL's metrics of each."""
+    import numpy as np
+    from dpo import METRICS, dpo_step, pair_log_probs
+    from preference_data import pair_rows
+
+    pad = trainee.tokenizer.pad_token_id
+    ref_chosen, ref_rejected = pair_log_probs(trainee.loss, pairs, seq_len, pad, 4, rank, world, "cpu")
+    mine = np.array_split(np.arange(rank, len(pairs), world), splits)
+    micro = [pair_rows([pairs[i] for i in m], seq_len, pad) | {"ref_chosen": ref_chosen[m].astype(np.float32),
+             "ref_rejected": ref_rejected[m].astype(np.float32)} for m in mine]  # fmt: skip
+    out = []
+    for _ in range(STEPS):
+        result = dpo_step(trainee.loss, optimizer, micro, lr, 1.0, beta, loss, "cpu")
+        sums = result.metric_sums.clone()
+        import torch.distributed as dist
+
+        loss_sum = result.loss_sum.clone()
+        dist.all_reduce(sums)
+        dist.all_reduce(loss_sum)
+        pairs = result.counts[0]
+        out.append({"loss": float(loss_sum) / pairs, "grad_norm": float(result.grad_norm)}
+                   | {m: float(v) / pairs for m, v in zip(METRICS, sums, strict=True)})  # fmt: skip
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
+def test_dpo_equals_trls_dpo_trainer_step_for_step(tiny_assets, tmp_path, gloo_rank, loss):
+    """8 pairs as one global batch, 3 steps, AdamW at a constant 1e-3, clipping at 1.0: the same tokens (prompt
+    masked, the same trained positions), reference log-probabilities, losses, reward accuracies and gradient norms
+    as TRL's DPOTrainer (which computes its reference log-probabilities once too: precompute_ref_log_probs)."""
+    from preference_data import Pair, preference_record, tokenize_pair
+
+    records = preference_records(tiny_assets["dataset"], 8, conversational=True)
+    seq_len, lr, beta = 96, 1e-3, 0.1
+    trainer = trl_trainer(tiny_assets["model"], records, tmp_path / "trl", seq_len, lr, beta, loss, batch=8)
+    config = settings(tiny_assets, "--lr", str(lr), "--lr-schedule", "constant", "--warmup-ratio", "0",
+                      "--max-grad-norm", "1.0", "--weight-decay", "0", "--seq-len", str(seq_len))  # fmt: skip
+    trainee, optimizer = build(config)
+    pairs = [tokenize_pair(preference_record(r), trainee.tokenizer, True) for r in records]
+    theirs_tokens = [Pair(tuple(r["prompt_ids"]), tuple(r["chosen_ids"]), tuple(r["rejected_ids"]))
+                     for r in trainer.train_dataset]  # fmt: skip
+    assert pairs == theirs_tokens
+    ours = our_steps(trainee, optimizer, pairs, seq_len, lr, beta, loss)
+    trainer.train()
+    theirs = [h for h in trainer.state.log_history if "loss" in h][:STEPS]
+    assert len(theirs) == STEPS
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        for name in ("loss", "rewards/accuracies", "rewards/chosen", "rewards/margins", "logps/chosen",
+                     "logps/rejected", "grad_norm"):  # fmt: skip
+            assert a[name] == pytest.approx(b[name], abs=1e-4, rel=1e-4), (step, name, a[name], b[name])
+    assert ours[-1]["loss"] < ours[0]["loss"]  # it learns
+
+
+def _dpo_rank_main(rank: int, world: int, rendezvous: str, assets: dict, splits: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from preference_data import preference_record, tokenize_pair
+
+    from tests.inprocess import _join
+
+    _join(rank, world, rendezvous)
+    try:
+        config = settings(assets, "--lr", "1e-3", "--lr-schedule", "constant", "--warmup-ratio", "0",
+                          "--seq-len", "96", "--num-workers", str(world))  # fmt: skip
+        trainee, optimizer = build(config, world)
+        records = preference_records(assets["dataset"], 8, conversational=False)
+        pairs = [tokenize_pair(preference_record(r), trainee.tokenizer, True) for r in records]
+        steps = our_steps(trainee, optimizer, pairs, 96, 1e-3, 0.1, "sigmoid", splits, rank, world)
+        if rank == 0:
+            torch.save(steps, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_dpo_loss_is_the_mean_over_the_global_batch_however_it_is_split(tiny_assets):
+    """8 pairs as 1 rank x 1 micro-batch, 1 rank x 3 micro-batches (3, 3, 2 pairs) and 2 ranks x 4 pairs: the same
+    losses, gradient norms and metrics each step (a per-micro-batch or per-rank mean would weight the pairs
+    unequally, and FSDP's sum over ranks would double the gradient)."""
+    from tests.inprocess import _spawn
+
+    one, accumulated, two = (_spawn(_dpo_rank_main, world, tiny_assets, splits)
+                             for world, splits in ((1, 1), (1, 3), (2, 1)))  # fmt: skip
+    for other in (accumulated, two):
+        for a, b in zip(one, other, strict=True):
+            assert a == {k: pytest.approx(v, abs=1e-5, rel=1e-4) for k, v in b.items()}
+    assert one[0]["rewards/accuracies"] == 0 and one[-1]["rewards/accuracies"] > 0.5
+
+
+def dpo_settings(assets: dict, *flags: str):
+    return settings({"model": assets["model"], "dataset": assets["pairs"]}, "--objective", "dpo", "--split",
+                    "train[:24]", "--batch-size", "4", "--eval-samples", "0", "--epochs", "2", *flags)  # fmt: skip
+
+
+def test_a_dpo_run_resumes_exactly_and_reads_its_reference_back(tiny_assets, tmp_path, gloo_rank):
+    """The run loop with --objective dpo: each epoch's loss, reward accuracy and the held-out pairs' (auto: the 2
+    after the 24 trained); a run stopped after epoch 1 and resumed ends with the uninterrupted run's weights, its
+    reference log-probabilities read back, never recomputed: with them gone, the resume refuses to go on."""
+    import shutil
+
+    from tests.inprocess import full_state, run
+    from tests.test_recipe import relative_distance
+
+    config = dpo_settings(tiny_assets)
+    whole, state = run(config, root=str(tmp_path / "whole"))
+    history = list(state.history)
+    assert len(history) == 2 and history[-1]["loss"] < history[0]["loss"]
+    assert all({"rewards/accuracies", "rewards/margins", "eval_loss", "eval_rewards/accuracies"} <= set(h)
+               for h in history)  # fmt: skip
+    assert history[-1]["rewards/accuracies"] > 0.5
+    run(config, epochs=1, root=str(tmp_path / "parts"))
+    from objectives import training_data
+
+    data = training_data(config, whole.tokenizer, 0, 1)
+    reference = data.reference_uri("float32")
+    shutil.move(reference, tmp_path / "kept.npz")
+    with pytest.raises(RuntimeError, match="reference log-probabilities .* are missing"):
+        run(config, root=str(tmp_path / "parts"), resume_from=str(tmp_path / "parts" / "checkpoint_epoch_0001"))
+    shutil.move(tmp_path / "kept.npz", reference)
+    resumed, resumed_state = run(config, root=str(tmp_path / "parts"),
+                                 resume_from=str(tmp_path / "parts" / "checkpoint_epoch_0001"))  # fmt: skip
+    assert relative_distance(full_state(whole.model), full_state(resumed.model)) < 1e-6
+    assert resumed_state.history[-1]["loss"] == pytest.approx(history[-1]["loss"], rel=1e-6)
+
+
+def test_the_driver_checks_and_prepares_pairs_before_any_worker(tiny_assets, tmp_path, capsys):
+    """--objective dpo --preflight: the pairs read, checked, tokenized and stored once (reused the second time),
+    the data report in pairs; the walkthrough's Dolly refused as DPO data before anything is read."""
+    import ray_train_llm_finetune as ft
+
+    base = ["--backend", "cpu", "--num-workers", "2", "--model", tiny_assets["model"], "--objective", "dpo",
+            "--storage-path", str(tmp_path), "--split", "train[:40]", "--preflight"]  # fmt: skip
+    for made in ("made now", "reused"):
+        assert ft.main([*base, "--dataset", tiny_assets["pairs"]]) == 0
+        out = capsys.readouterr().out
+        assert "40 used (0 truncated, 0 dropped at --seq-len)" in out and "40 pairs (not packed), 5 steps" in out
+        assert "eval: 3 held-out records (auto: train[40:43]" in out and f"({made})" in out
+    assert ft.main(base) == 2
+    assert (
+        "--dataset 'databricks/databricks-dolly-15k' holds instructions, not preference pairs"
+        in capsys.readouterr().err
+    )
+
+
+def test_with_lora_the_reference_is_the_base_with_the_adapters_off(tiny_assets, gloo_rank):
+    """LoRA's adapters start at zero (peft: B = 0), so the reference computed before the first step is the base
+    model's: the first step's rewards are exactly 0 and its loss log 2; the adapters then learn the preferences."""
+    import math
+
+    from dpo import METRICS
+
+    from tests.inprocess import run
+
+    steps = []
+    _, state = run(dpo_settings(tiny_assets, "--lora", "--lr", "1e-2", "--eval-split", "none"),
+                   on_step=lambda step, result: steps.append(result))  # fmt: skip
+    first = dict(zip(METRICS, steps[0].metric_sums.tolist(), strict=True))
+    assert first["rewards/chosen"] == first["rewards/rejected"] == 0.0
+    assert float(steps[0].loss_sum) / steps[0].counts[0] == pytest.approx(math.log(2), abs=1e-6)
+    assert state.history[1]["loss"] < min(state.history[0]["loss"], math.log(2))  # the pairs seen again
