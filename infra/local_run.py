@@ -74,6 +74,8 @@ def print_preference_outputs(outputs: dict) -> None:
     print("  losses:      " + "; ".join(log_lines.epoch_losses(h) for h in outputs["history"]))
     print(f"  rewards:     accuracies {last['rewards/accuracies']:.3f}, margins {last['rewards/margins']:.3f}; "
           f"held-out pairs preferred {last.get('eval_rewards/accuracies', float('nan')):.1%}")  # fmt: skip
+    for i, line in enumerate(log_lines.evaluation_table(outputs.get("evaluation"))):
+        print(f"  {'evaluation:' if i == 0 else '':<12} {line}")
 
 
 def main() -> None:

@@ -118,15 +118,16 @@ def held_out_scores(root, data, settings, rank: int, world: int, device) -> dict
               for k in ("chosen", "rejected")]  # fmt: skip
     losses = pair_losses(chosen, rejected, ref_chosen, ref_rejected, settings.dpo_beta, settings.dpo_loss, *tokens)
     sums = metric_sums(chosen, rejected, ref_chosen, ref_rejected, settings.dpo_beta)
-    return {"eval_loss": float(losses.mean())} | {f"eval_{m}": float(v) / len(pairs) for m, v in zip(METRICS, sums,
-                                                                                                   strict=True)}  # fmt: skip
+    preferred = float((chosen > rejected).double().mean())  # the model's own preference, the reference aside
+    return {"eval_loss": float(losses.mean()), "eval_preferred": preferred} | {
+        f"eval_{m}": float(v) / len(pairs) for m, v in zip(METRICS, sums, strict=True)}  # fmt: skip
 
 
 def pair_log_probs(root, pairs: list, seq_len: int, pad_id: int, batch_size: int, rank: int, world: int,
                         device):  # fmt: skip
     """(chosen, rejected) numpy arrays of every pair's summed log-probabilities under the model as it is (the
-    starting weights: the reference's; later, the held-out pairs' at an eval): each rank scores every world-th pair, in batches of the same count on every rank (FSDP's
-    gathers need all of them), and the hosts sum the results."""
+    starting weights: the reference; at an eval, the held-out pairs'): each rank scores every world-th pair, in
+    batches of the same count on every rank (FSDP's gathers need all of them), and the hosts sum the results."""
     import math
 
     import numpy as np

@@ -37,6 +37,7 @@ from samples import NEW_TOKENS
 
 TASK, LOSS_TASK = HELDOUT_TASKS
 TASK_DIR = "heldout"
+PAIRS_TASK = "heldout_pairs"  # a DPO run's held-out pairs: how often the chosen answer is the likelier
 EVALUATION_FILE = "evaluation.json"
 
 
@@ -180,13 +181,15 @@ class Plan:
     chat_template: bool
     limit: int | None
     base_model: str = ""  # the model the run starts from (rescore.py --base)
+    pairs: bool = False  # a DPO run's held-out pairs (dpo.held_out_scores), as the task heldout_pairs
     include_path: str | None = None  # task YAMLs to look in besides lm-eval's own (lm_eval --include_path)
 
     @classmethod
     def of(cls, settings, task_dir: str | None) -> Plan | None:
+        pairs = settings.objective == "dpo" and settings.eval_split != "none" and bool(parse(settings.eval_tasks))
         plan = cls(task_dir, named(settings.eval_tasks), bool(settings.chat_template), settings.eval_limit or None,
-                   settings.model)  # fmt: skip
-        return plan if plan.task_dir or plan.named else None
+                   settings.model, pairs)  # fmt: skip
+        return plan if plan.task_dir or plan.named or plan.pairs else None
 
     def commands(self) -> list[str]:
         """How to score an export as the job did: the project's command (jobs/rescore.py, which also copies a gs://
@@ -313,8 +316,17 @@ class BeforeAfter:
         self.plan, self.run_fs, self.run_path, self.rank, self.batch_size, self.board = (
             plan, run_fs, run_path, rank, batch_size, board)  # fmt: skip
 
-    def score(self, trainee) -> dict[str, dict]:
-        return score(trainee, self.plan, self.batch_size)
+    def score(self, run) -> dict[str, dict]:
+        """The plan's tasks for the run's model as it is now (training_run.TrainingRun `run`)."""
+        scores = score(run.trainee, self.plan, self.batch_size) if self.plan.task_dir or self.plan.named else {}
+        if self.plan.pairs and run.data.eval:
+            from dpo import held_out_scores
+
+            found = held_out_scores(run.trainee.loss, run.data, run.settings, run.rank, run.world, run.device)
+            metrics = {"preferred": found["eval_preferred"], "loss": found["eval_loss"],
+                       "rewards/margins": found["eval_rewards/margins"]}  # fmt: skip
+            scores[PAIRS_TASK] = {"metrics": metrics, "samples": len(run.data.eval), "version": None}
+        return scores
 
     def finish(self, base: dict | None, tuned: dict[str, dict], step: int = 0) -> dict:
         import lm_eval

@@ -20,7 +20,16 @@ import os
 import sys
 import tempfile
 
-from evaluation import EVALUATION_FILE, HELDOUT_TASKS, TASK, TASK_DIR, read_evaluation, reported, task_scores
+from evaluation import (
+    EVALUATION_FILE,
+    HELDOUT_TASKS,
+    PAIRS_TASK,
+    TASK,
+    TASK_DIR,
+    read_evaluation,
+    reported,
+    task_scores,
+)
 from outcome import JobInputError
 
 
@@ -91,6 +100,8 @@ def rescore(run: str, model: str, device: str, dtype: str, batch_size: int) -> l
             here |= {task: task_scores(results, task) for task in reported(results, tasks)}
     lines = []
     for task, entry in evaluation["tasks"].items():
+        if task == PAIRS_TASK:  # a DPO run's own held-out pairs: scored by the job alone, against its reference
+            continue
         for metric, v in entry["metrics"].items():
             ours = here.get(task, {}).get("metrics", {}).get(metric)
             run_value = v.get("base" if base else "fine_tuned")

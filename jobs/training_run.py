@@ -252,11 +252,11 @@ class TrainingRun:
         evaluation = self.hooks.evaluation
         self.objective.ready(self, state)
         if evaluation is not None and state.step == 0 and state.base_scores is None:
-            state = replace(state, base_scores=evaluation.score(self.trainee))
+            state = replace(state, base_scores=evaluation.score(self))
         while state.step < self.schedule.total_steps and (epochs is None or state.epoch < epochs):
             state = self.epoch(state)
         if evaluation is not None and state.step >= self.schedule.total_steps:
-            evaluation.finish(state.base_scores, evaluation.score(self.trainee), state.step)
+            evaluation.finish(state.base_scores, evaluation.score(self), state.step)
         return state
 
     def epoch(self, state: RunState) -> RunState:
@@ -329,7 +329,7 @@ class TrainingRun:
         metrics = self.hooks.epoch_metrics(epoch, trained, held_out, sums.seconds) | {
             "step": step, "share": step / self.schedule.total_steps,
         } | self.recompiles() | sums.means() | {k: v for k, v in held_out.items()
-                                                                if k.startswith(("eval_rewards", "eval_logps"))}  # fmt: skip
+                                                                if k.startswith(("eval_rewards", "eval_logps", "eval_preferred"))}  # fmt: skip
         self.hooks.progress.epoch(metrics)
         state = replace(state, epoch=epoch, history=(*state.history, metrics), epoch_sums=Sums())
         whole = step == epoch * self.data.steps

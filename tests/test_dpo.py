@@ -262,3 +262,28 @@ def test_with_lora_the_reference_is_the_base_with_the_adapters_off(tiny_assets, 
     assert first["rewards/chosen"] == first["rewards/rejected"] == 0.0
     assert float(steps[0].loss_sum) / steps[0].counts[0] == pytest.approx(math.log(2), abs=1e-6)
     assert state.history[1]["loss"] < min(state.history[0]["loss"], math.log(2))  # the pairs seen again
+
+
+def test_the_held_out_pairs_are_scored_before_and_after(tiny_assets, tmp_path, gloo_rank):
+    """With the before/after evaluation, a DPO run's held-out pairs are a task of evaluation.json: the base's loss
+    is log 2 (it is its own reference), and how often each model finds the chosen answer the likelier."""
+    import json
+    import math
+
+    import pyarrow.fs
+    from evaluation import BeforeAfter, Plan
+
+    from tests.inprocess import run
+
+    config = dpo_settings(tiny_assets, "--split", "train[:48]")
+    plan = Plan.of(config, None)
+    assert plan is not None and plan.pairs and not plan.named
+    (tmp_path / "run").mkdir()
+    hook = BeforeAfter(plan, pyarrow.fs.LocalFileSystem(), str(tmp_path / "run"), 0, config.batch_size)
+    run(config, evaluation=hook)
+    pairs = json.loads((tmp_path / "run" / "evaluation.json").read_text())["tasks"]["heldout_pairs"]
+    assert pairs["samples"] == 3 and set(pairs["metrics"]) == {"preferred", "loss", "rewards/margins"}
+    assert pairs["metrics"]["loss"]["base"] == pytest.approx(math.log(2), abs=1e-6)
+    assert pairs["metrics"]["rewards/margins"]["base"] == 0 and pairs["metrics"]["loss"]["delta"] != 0
+    assert 0 <= pairs["metrics"]["preferred"]["base"] <= 1
+    assert Plan.of(dpo_settings(tiny_assets, "--eval-tasks", "none"), None) is None

@@ -79,6 +79,27 @@ def test_the_job_model_scores_as_lm_evals_own_hf_backend(task, tiny_assets, gloo
     assert loss == pytest.approx(theirs["heldout_loss"]["loss,none"], abs=1e-4) and 2 < loss < 20
 
 
+@pytest.mark.slow
+def test_a_lora_run_scores_as_its_merged_export(task, tiny_assets, tmp_path, gloo_rank):
+    """LoRA's adapters are live in the job's forward pass; the export merges them: the job's scores of the trained
+    adapters equal lm-eval's hf backend on the merged export (the answers' metrics, the loss within 1e-4)."""
+    import pyarrow.fs
+    from checkpoints import export_pretrained
+    from evaluation import HELDOUT_TASKS, Plan, score
+
+    from tests.inprocess import run
+
+    _, directory = task
+    trainee, _ = run(settings(tiny_assets, "--lora", "--lr", "1e-2", "--eval-samples", "0"), epochs=1)
+    ours = score(trainee, Plan(directory, (), True, None), batch_size=2)
+    export_pretrained(trainee.model, trainee.tokenizer, pyarrow.fs.LocalFileSystem(), str(tmp_path / "export"),
+                      trainee.lora)  # fmt: skip
+    theirs = hf_backend(str(tmp_path / "export"), list(HELDOUT_TASKS), directory)
+    assert ours["heldout"]["metrics"] == {n: pytest.approx(theirs["heldout"][f"{n},none"], abs=1e-9)
+                                          for n in ours["heldout"]["metrics"]}  # fmt: skip
+    assert ours["heldout_loss"]["metrics"]["loss"] == pytest.approx(theirs["heldout_loss"]["loss,none"], abs=1e-4)
+
+
 CHOICE_TASK = {
     "task": "tiny_choice", "dataset_path": "json", "test_split": "test", "output_type": "multiple_choice",
     "doc_to_text": "Question: {{question}}\nAnswer:", "doc_to_choice": "{{choices}}", "doc_to_target": "{{answer}}",
@@ -116,7 +137,7 @@ class Recorder:
     def __init__(self):
         self.scored, self.finished = 0, []
 
-    def score(self, trainee) -> dict:
+    def score(self, run) -> dict:
         self.scored += 1
         return {"rouge_l": float(self.scored)}
 
