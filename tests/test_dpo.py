@@ -155,7 +155,7 @@ def test_dpo_equals_trls_dpo_trainer_step_for_step(tiny_assets, tmp_path, gloo_r
     assert ours[-1]["loss"] < ours[0]["loss"]  # it learns
 
 
-def _dpo_rank_main(rank: int, world: int, rendezvous: str, assets: dict, splits: int, out: str) -> None:
+def _dpo_rank_main(rank: int, world: int, rendezvous: str, assets: dict, splits: int, flags: tuple, out: str) -> None:
     import torch
     import torch.distributed as dist
     from preference_data import preference_record, tokenize_pair
@@ -165,7 +165,7 @@ def _dpo_rank_main(rank: int, world: int, rendezvous: str, assets: dict, splits:
     _join(rank, world, rendezvous)
     try:
         config = settings(assets, "--lr", "1e-3", "--lr-schedule", "constant", "--warmup-ratio", "0",
-                          "--seq-len", "96", "--num-workers", str(world))  # fmt: skip
+                          "--seq-len", "96", "--num-workers", str(world), *flags)  # fmt: skip
         trainee, optimizer = build(config, world)
         records = preference_records(assets["dataset"], 8, conversational=False)
         pairs = [tokenize_pair(preference_record(r), trainee.tokenizer, True) for r in records]
@@ -178,14 +178,15 @@ def _dpo_rank_main(rank: int, world: int, rendezvous: str, assets: dict, splits:
 
 @pytest.mark.slow
 def test_the_dpo_loss_is_the_mean_over_the_global_batch_however_it_is_split(tiny_assets):
-    """8 pairs as 1 rank x 1 micro-batch, 1 rank x 3 micro-batches (3, 3, 2 pairs) and 2 ranks x 4 pairs: the same
-    losses, gradient norms and metrics each step (a per-micro-batch or per-rank mean would weight the pairs
-    unequally, and FSDP's sum over ranks would double the gradient)."""
+    """8 pairs as 1 rank x 1 micro-batch, 1 rank x 3 micro-batches (3, 3, 2 pairs), 2 ranks x 4 pairs, 2 slices of
+    2 ranks (HSDP) and 1 rank with activation checkpointing: the same losses, gradient norms and metrics each step
+    (a per-micro-batch or per-rank mean would weight the pairs unequally, and FSDP's sum over ranks would double
+    the gradient)."""
     from tests.inprocess import _spawn
 
-    one, accumulated, two = (_spawn(_dpo_rank_main, world, tiny_assets, splits)
-                             for world, splits in ((1, 1), (1, 3), (2, 1)))  # fmt: skip
-    for other in (accumulated, two):
+    cases = ((1, 1, ()), (1, 3, ()), (2, 1, ()), (4, 1, ("--num-slices", "2")), (1, 1, ("--activation-checkpointing",)))
+    one, *others = (_spawn(_dpo_rank_main, world, tiny_assets, splits, flags) for world, splits, flags in cases)
+    for other in others:
         for a, b in zip(one, other, strict=True):
             assert a == {k: pytest.approx(v, abs=1e-5, rel=1e-4) for k, v in b.items()}
     assert one[0]["rewards/accuracies"] == 0 and one[-1]["rewards/accuracies"] > 0.5
