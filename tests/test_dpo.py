@@ -288,3 +288,21 @@ def test_the_held_out_pairs_are_scored_before_and_after(tiny_assets, tmp_path, g
     assert pairs["metrics"]["rewards/margins"]["base"] == 0 and pairs["metrics"]["loss"]["delta"] != 0
     assert 0 <= pairs["metrics"]["preferred"]["base"] <= 1
     assert Plan.of(dpo_settings(tiny_assets, "--eval-tasks", "none"), None) is None
+
+
+def test_sigterm_mid_epoch_saves_the_next_step_and_a_dpo_run_goes_on_to_the_same_weights(tiny_assets, tmp_path):
+    """Two ranks, 9 steps with saves every 4: rank 1 sent SIGTERM after step 2, both save step 3 and stop (the
+    request rides on DPO's count all-reduce as on SFT's); the next attempt goes on from step 3 and ends where an
+    uninterrupted run does: weights, epoch metrics with TRL's names, held-out evals."""
+    from tests.inprocess import attempts
+    from tests.test_step_checkpoints import same_run
+
+    config = dpo_settings(tiny_assets, "--max-steps", "9", "--save-every", "4", "--eval-every", "5", "--num-workers",
+                          "2", "--batch-size", "2", "--split", "train[:48]")  # fmt: skip
+    straight, stopped, after = attempts(config, 2, [
+        {"root": str(tmp_path / "straight")}, {"root": str(tmp_path / "stopped"), "stop": {1: (2, "sigterm")}},
+        {"root": str(tmp_path / "stopped"), "resume": True}])  # fmt: skip
+    assert stopped["ended"] == "StopRequested" and stopped["seen"] == [1, 2, 3]
+    assert after["from"] == "checkpoint_step_0000003" and after["seen"] == [4, 5, 6, 7, 8, 9]
+    same_run(after, straight)
+    assert "rewards/accuracies" in straight["state"]["history"][-1] and straight["state"]["evals"]
