@@ -47,8 +47,9 @@ MAX_CLUSTER_NODES = 5000
 
 
 def is_model_ref(text: str) -> bool:
-    """A hub id (`org/name`) or a path; whitespace, control characters and shell syntax never are."""
-    return bool(_HUB_ID.fullmatch(text) or _PATH.fullmatch(text))
+    """A hub id (`org/name`), a path, or a gs:// directory (an earlier run's export); whitespace, control
+    characters and shell syntax never are."""
+    return bool(_HUB_ID.fullmatch(text) or _PATH.fullmatch(text) or _PATH.fullmatch(text.removeprefix("gs:/")))
 
 
 def is_data_ref(text: str) -> bool:
@@ -288,7 +289,7 @@ def names(r: Reader) -> dict[str, str]:
 def model_and_data_refs(r: Reader, job) -> None:
     """What the pods will load: a hub id or a path (gs:// too for data), without whitespace, control characters or
     shell syntax, which no repository or file the jobs load can contain."""
-    for name, text, valid, what in (("model", job.model, is_model_ref, "a path"),
+    for name, text, valid, what in (("model", job.model, is_model_ref, "a path or gs:// directory"),
                                     ("dataset", job.dataset, is_data_ref, "a path, glob or gs:// URI")):  # fmt: skip
         if not valid(text):
             r.problem(f"{key(name)}: {text!r} must be a hub id (org/name) or {what}, without whitespace, "

@@ -100,13 +100,14 @@ def placement_argv(s: FinetuneSettings, num_workers: int | None) -> list[str]:
 
 def for_this_machine(s: FinetuneSettings) -> FinetuneSettings:
     """Local paths made absolute (the workers do not run in this directory), after checking the model's and the
-    tokenizer's exist; gs:// and hub ids as they are."""
+    tokenizer's exist; gs:// and hub ids as they are (a gs:// model is checked where it is copied down:
+    storage.model_directory)."""
     from data_formats import is_local
 
     absolute = {}
     for name in ("model", "tokenizer"):
         ref = getattr(s, name)
-        if ref and is_local(ref):
+        if ref and is_local(ref) and not ref.startswith("gs://"):
             if not Path(ref).expanduser().is_dir():
                 raise JobInputError(f"{flag(name)} {ref!r} does not exist (give a directory or a hub id)")
             absolute[name] = str(Path(ref).expanduser().resolve())

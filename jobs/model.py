@@ -30,10 +30,11 @@ from render import end_of_turn_id, load_tokenizer
 
 def load_model(ref: str, dtype: str = "bfloat16", attention: str = "eager"):
     """In the compute dtype (so the unsharded per-layer table matches), text only, no KV cache; `attention` is
-    transformers' attn_implementation (eager or sdpa)."""
+    transformers' attn_implementation (eager or sdpa). A gs:// directory is copied to this machine first."""
+    from storage import model_directory
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    token = os.environ.get("HF_TOKEN")
+    token, ref = os.environ.get("HF_TOKEN"), model_directory(ref)
     config = AutoConfig.from_pretrained(ref, token=token)
     for tower in ("vision_config", "audio_config"):
         if hasattr(config, tower):

@@ -195,10 +195,11 @@ def end_of_turn_id(tokenizer) -> int | None:
 
 
 def load_tokenizer(ref: str):
-    """The tokenizer of a hub id or directory (--tokenizer, else the model's), with a pad token."""
+    """The tokenizer of a hub id or directory, local or gs:// (--tokenizer, else the model's), with a pad token."""
+    from storage import model_directory
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(ref, token=os.environ.get("HF_TOKEN"))
+    tokenizer = AutoTokenizer.from_pretrained(model_directory(ref), token=os.environ.get("HF_TOKEN"))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -54,8 +54,9 @@ class FinetuneSettings:
                           "(the chat template with the prompt masked, packed rows, a held-out eval, warmup + cosine, "
                           "clipping, a chunked loss, sharded checkpoints), or walkthrough, the walkthrough exactly",
                           key="recipe", choices=RECIPES)  # fmt: skip
-    model: str = setting("google/gemma-4-E2B-it", "the model to fine-tune: a hub id, or a local directory (on a "
-                         "cluster: a path inside the image)", key="model",
+    model: str = setting("google/gemma-4-E2B-it", "the model to fine-tune: a hub id, a local directory (on a "
+                         "cluster: a path inside the image), or a gs:// directory such as an earlier run's export "
+                         "(<run>/model: DPO after SFT)", key="model",
                          aliases=("--model-id",))  # fmt: skip
     tokenizer: str | None = setting(None, "hub id or local directory of the tokenizer (default: {model}'s)")
     dataset: str = setting(DEFAULT_DATASET, "the records: a hub id, or json/jsonl/csv/parquet files (a file, a "

@@ -183,3 +183,29 @@ def probe(storage_path: str) -> None:
             client.rm(uri)
         except Exception as err:  # noqa: BLE001
             raise _failed(storage_path, "writing, reading and deleting an object with gcsfs", err) from None
+
+
+def model_directory(ref: str) -> str:
+    """A model (or tokenizer) reference as from_pretrained takes it: a hub id or local directory as it is; a
+    gs:// directory (an earlier run's export, `<run>/model`) copied once per machine into the temp dir (every
+    rank of a host shares the copy; a lock lets one copy while the others wait)."""
+    import fcntl
+    import hashlib
+    import shutil
+    import tempfile
+
+    if not is_gcs(ref):
+        return ref
+    local = os.path.join(tempfile.gettempdir(), f"model-{hashlib.sha256(ref.encode()).hexdigest()[:16]}")
+    with open(f"{local}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(local):
+            fs, source = gcs(), ref.rstrip("/")
+            if not fs.exists(f"{source}/config.json") and not fs.exists(f"{source}/tokenizer_config.json"):
+                raise JobInputError(f"{ref!r} holds no model (no config.json or tokenizer_config.json there): give "
+                                    "the directory an earlier run exported, <run>/model")  # fmt: skip
+            partial = f"{local}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            fs.get(f"{source}/", f"{partial}/", recursive=True)
+            os.rename(partial, local)
+    return local

@@ -56,6 +56,33 @@ def test_with_credentials_the_check_writes_reads_and_deletes_through_both_client
     assert any(r.endswith("/token") for r in metadata_server.requests[asked:])
 
 
+def test_a_model_on_gs_an_earlier_runs_export_is_copied_down_once_and_loads(storage, metadata_server,
+                                                                            tiny_assets, tmp_path):  # fmt: skip
+    """DPO's usual start, `model: gs://.../<sft run>/model`: the directory copied to this machine once (a second
+    load reuses the copy), then loaded as a local one; a gs:// directory without a model named, not a traceback;
+    the stack accepts the URI."""
+    import filecmp
+
+    from command_line import for_this_machine, from_args, parse_args
+    from model import load_model
+    from outcome import JobInputError
+    from render import load_tokenizer
+    from storage import gcs, model_directory
+
+    from infra.config_checks import is_model_ref
+
+    run = f"gs://demo-data/runs/sft-{tmp_path.name}"
+    gcs().put(f"{tiny_assets['model']}/", f"{run}/model/", recursive=True)
+    local = model_directory(f"{run}/model")
+    assert filecmp.dircmp(local, tiny_assets["model"]).diff_files == [] and model_directory(f"{run}/model") == local
+    assert load_tokenizer(f"{run}/model").pad_token is not None
+    assert load_model(f"{run}/model", "float32").config.model_type == load_model(tiny_assets["model"]).config.model_type
+    with pytest.raises(JobInputError, match="holds no model .* give the directory an earlier run exported"):
+        model_directory(f"{run}/nothing")
+    settings = for_this_machine(from_args(parse_args(["--model", f"{run}/model", "--backend", "cpu"])))
+    assert settings.model == f"{run}/model" and is_model_ref(settings.model)
+
+
 def test_gcsfs_is_pinned_to_google_credentials_and_pyarrow_gives_up_in_a_minute():
     import pyarrow.fs
     from storage import RETRY_S, checkpoint_writer_options, filesystem, fsspec_options, gcs, ray_storage
