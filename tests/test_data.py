@@ -221,7 +221,7 @@ def test_a_gs_dataset_is_read_end_to_end_with_the_pods_credentials(
     )  # fmt: skip
     assert any(r.endswith("/token") for r in metadata_server.requests[asked:])  # Workload Identity's token
     with pytest.raises(Exception, match="does not exist"):
-        ft.run(from_args(parse_args([*argv[:5], "gs://demo-data/chat/missing.jsonl", *argv[6:]])))
+        ft.run(from_args(parse_args([*argv[:7], "gs://demo-data/chat/missing.jsonl", *argv[8:]])))
     assert ACCESS_TOKEN.startswith("ya29.")
 
 
