@@ -98,6 +98,25 @@ def trl_trainer(model_dir: str, records: list[dict], out, seq_len: int, lr: floa
                       processing_class=load_tokenizer(model_dir))  # fmt: skip
 
 
+@pytest.mark.slow
+def test_standard_and_implicit_prompt_pairs_are_tokenized_as_trl_tokenizes_them(tiny_assets, tmp_path):
+    """Strings without the chat template (TRL's standard format: raw text, EOS appended) and whole conversations
+    with no prompt column (TRL's extract_prompt): the same prompt, chosen and rejected ids as TRL's DPOTrainer."""
+    from preference_data import Pair, preference_record, tokenize_pair
+    from render import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_assets["model"])
+    standard = preference_records(tiny_assets["dataset"], 4, conversational=False)
+    implicit = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]}
+                for r in preference_records(tiny_assets["dataset"], 4, conversational=True)]  # fmt: skip
+    for records, chat_template in ((standard, False), (implicit, True)):
+        trainer = trl_trainer(tiny_assets["model"], records, tmp_path / "trl", 512, 1e-3, 0.1, "sigmoid", batch=4)
+        theirs = [Pair(tuple(r["prompt_ids"]), tuple(r["chosen_ids"]), tuple(r["rejected_ids"]))
+                  for r in trainer.train_dataset]  # fmt: skip
+        ours = [tokenize_pair(preference_record(r), tokenizer, chat_template) for r in records]
+        assert ours == theirs and all(p.prompt_ids and p.chosen_ids and p.rejected_ids for p in ours)
+
+
 def our_steps(trainee, optimizer, pairs, seq_len: int, lr: float, beta: float, loss: str, splits: int = 1,
               rank: int = 0, world: int = 1) -> list[dict]:  # fmt: skip
     """STEPS optimizer steps of dpo.dpo_step over the whole of `pairs` as one global batch (this rank's share in
