@@ -54,8 +54,8 @@ def print_outputs(outputs: dict) -> None:
     for sample in run_files.last_samples(outputs.get("samples")):
         prompt = log_lines.one_line(sample["prompt"], 60)
         print(f"    step {sample['step']}: {prompt} -> {log_lines.one_line(sample['completion'], 100)}")
-    for i, line in enumerate(log_lines.evaluation_table(outputs.get("evaluation"))):
-        print(f"  {'evaluation:' if i == 0 else '':<12} {line}")
+    for line in log_lines.evaluation_block(outputs.get("evaluation")):
+        print(line)
     print(f"  collectives: ok={collectives['ok']} world_size={collectives['world_size']} "
           f"max_abs_diff={collectives['max_abs_diff']:.2e}")  # fmt: skip
     print(f"  jobIds:      {json.dumps(outputs['job_ids'])}")
@@ -74,8 +74,8 @@ def print_preference_outputs(outputs: dict) -> None:
     print("  losses:      " + "; ".join(log_lines.epoch_losses(h) for h in outputs["history"]))
     print(f"  rewards:     accuracies {last['rewards/accuracies']:.3f}, margins {last['rewards/margins']:.3f}; "
           f"held-out pairs preferred {last.get('eval_rewards/accuracies', float('nan')):.1%}")  # fmt: skip
-    for i, line in enumerate(log_lines.evaluation_table(outputs.get("evaluation"))):
-        print(f"  {'evaluation:' if i == 0 else '':<12} {line}")
+    for line in log_lines.evaluation_block(outputs.get("evaluation")):
+        print(line)
 
 
 def main() -> None:

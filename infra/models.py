@@ -60,7 +60,7 @@ def workload_of(job, tpu_slice) -> Workload:
     return Workload(
         devices=tpu_slice.devices, batch=job.batch_size, seq_len=job.seq_len, dtype_bytes=2,
         activation_checkpointing=job.activation_checkpointing, lora=job.lora, lora_rank=job.lora_rank,
-        loss_chunk=job.loss_chunk, sequences=2 if job.objective == "dpo" else 1,
+        loss_chunk=job.loss_chunk, sequences=plans.sequences_per_record(job.objective),
     )  # fmt: skip
 
 

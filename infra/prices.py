@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from infra.dataset import records_in
-from infra.job_modules import data_formats, eval_tasks, samples, splits
+from infra.job_modules import data_formats, eval_tasks, memory_plan, samples, splits
 from infra.models import known_model
 
 if TYPE_CHECKING:  # the estimate reads the stack's config; the facts it needs are in their own tables
@@ -115,8 +115,8 @@ def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
     eval_share = 1 + (1 / data_formats.EVAL_SHARE) / 3 if cfg.job.eval_split != "none" else 1
     # DPO: a pair is two padded rows (never packed), and its reference log-probabilities one forward pass over them
     # before training (a third of a training step's compute)
-    sequences = 2 if cfg.job.objective == "dpo" else 1
-    reference = records * sequences * cfg.job.seq_len / 3 if sequences == 2 and records else 0.0
+    sequences = memory_plan.sequences_per_record(cfg.job.objective)
+    reference = records * sequences * cfg.job.seq_len / 3 if cfg.job.objective == "dpo" and records else 0.0
     if cfg.job.max_steps:  # the steps decide: each one global batch of full rows
         rows = cfg.job.max_steps * cfg.job.batch_size * cfg.devices * cfg.job.grad_accum * sequences
         minutes = [(rows * cfg.job.seq_len * eval_share + reference) / tokens_per_s / 60] * 2
@@ -138,7 +138,7 @@ def evaluation_prompts(cfg: StackConfig) -> int:
     if bounds is not None and bounds[2] != math.inf:
         held_out = int(bounds[2] - bounds[1])
     elif cfg.job.eval_split == "auto" and records is not None:
-        held_out = max(1, min(data_formats.EVAL_MOST, records // data_formats.EVAL_SHARE))
+        held_out = data_formats.auto_eval_count(records)
     else:
         held_out = data_formats.EVAL_MOST
     return min(cfg.job.eval_limit or held_out, held_out)

@@ -21,6 +21,12 @@ EVAL_SHARE = 16  # the default eval split: 1/16 as many records as the training 
 EVAL_MOST = 256  # ... and no more than this: each eval scores them all
 
 
+def auto_eval_count(records: int) -> int:
+    """--eval-split auto's held-out records for a training slice of `records`: 1/EVAL_SHARE as many, rounded up,
+    at most EVAL_MOST."""
+    return min(EVAL_MOST, -(-records // EVAL_SHARE))
+
+
 def is_local(ref: str) -> bool:
     """A path, not a hub id (`org/name`): it exists, or it is spelt like a path or a data file."""
     spelt_as_path = ref.startswith(("/", "./", "../", "~")) or ref.count("/") > 1

@@ -70,39 +70,28 @@ def sequence_log_probs(root, batch: dict):
 def dpo_step(root, optimizer, micro_batches: list[dict], lr: float, max_grad_norm: float, beta: float, loss: str,
              device, stop: bool = False, preempted: bool = False):  # fmt: skip
     """One optimizer step over one global batch of pairs (this rank's micro-batches and every other rank's): a
-    step.StepResult whose loss is the summed pair losses and whose counts are [pairs, real tokens, stop requests,
-    preemption notices], summed over the hosts with the stop flags (as step.train_step's), with `metric_sums`."""
-    import numpy as np
+    step.StepResult whose loss is the summed pair losses, whose counts are [pairs, real tokens, stop requests,
+    preemption notices] summed over the hosts as step.train_step's are, and whose metric_sums are TRL's metrics'."""
     import torch
-    import torch.distributed as dist
-    from recipe import clip_grad_norm
-    from step import StepResult, host_group, set_lr
+    from step import StepResult, divisor, global_counts, optimizer_step, set_lr
 
-    mine = [
+    mine = (
         sum(len(b["ref_chosen"]) for b in micro_batches),
         sum(int(b["attention_mask"].sum()) for b in micro_batches),
-    ]
-    counts = torch.from_numpy(np.array([*mine, stop, preempted], dtype=np.float64))
-    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=host_group())
-    total = tuple(counts.numpy().tolist())
+    )
+    total = global_counts(mine, stop, preempted)
+    by = divisor(total[0], device)
     set_lr(optimizer, lr)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     sums = torch.zeros(len(METRICS), dtype=torch.float32, device=device)
     for batch in micro_batches:
         t = batch_tensors(batch, device)
         chosen, rejected = sequence_log_probs(root, t)
-        tokens = t["tokens"].chunk(2)
-        losses = pair_losses(chosen, rejected, t["ref_chosen"], t["ref_rejected"], beta, loss, *tokens)
-        (losses.sum() / max(total[0], 1.0)).backward()
+        losses = pair_losses(chosen, rejected, t["ref_chosen"], t["ref_rejected"], beta, loss, *t["tokens"].chunk(2))
+        (losses.sum() / by).backward()
         loss_sum += losses.detach().sum()
         sums += metric_sums(chosen, rejected, t["ref_chosen"], t["ref_rejected"], beta)
-    trainable = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_norm = clip_grad_norm(trainable, max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    result = StepResult(loss_sum, grad_norm, lr, total)
-    result.metric_sums = sums
-    return result
+    return StepResult(loss_sum, optimizer_step(optimizer, max_grad_norm), lr, total, sums)
 
 
 def held_out_scores(root, data, settings, rank: int, world: int, device) -> dict:

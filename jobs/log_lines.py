@@ -44,6 +44,11 @@ def evaluation_table(evaluation: dict | None) -> list[str]:
     return lines
 
 
+def evaluation_block(evaluation: dict | None) -> list[str]:
+    """The table under an `evaluation:` label, as the closing summary and make local's outputs show it."""
+    return [f"  {'evaluation:' if i == 0 else '':<12} {line}" for i, line in enumerate(evaluation_table(evaluation))]
+
+
 def duration(seconds: float) -> str:
     minutes, s = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
@@ -64,10 +69,7 @@ def closing_summary(result: dict, seconds: float, devices: str, chips: int | Non
         f"  loss curve:  {result.get('loss_curve')}  (metrics.jsonl beside it)",
         f"  samples:     {result.get('samples') or 'none'}",
         f"  tensorboard: tensorboard --logdir {result['tensorboard']}",
-        *(
-            f"  {'evaluation:' if i == 0 else '':<12} {line}"
-            for i, line in enumerate(evaluation_table(result.get("evaluation")))
-        ),
+        *evaluation_block(result.get("evaluation")),
         f"  cost:        {chips * seconds / 3600:.2f} chip-hours ({devices} for {duration(seconds)}; price per "
         "chip-hour: docs/cost.md)"
         if chips is not None

@@ -66,7 +66,12 @@ class Workload:
     lora: bool = False
     lora_rank: int = 16
     loss_chunk: int = 256
-    sequences: int = 1  # rows a record makes: 2 for DPO (its chosen and rejected answers, in one forward pass)
+    sequences: int = 1  # rows a record makes (sequences_per_record)
+
+
+def sequences_per_record(objective: str) -> int:
+    """Rows a record makes in a forward pass: a DPO pair two (its chosen and rejected answers), else one."""
+    return 2 if objective == "dpo" else 1
 
 
 @dataclass(frozen=True)

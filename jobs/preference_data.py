@@ -24,10 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from render import ROLES, RecordError
+from render import RecordError, checked_turn
 
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
-MAX_ERRORS = 20  # bad records named at once
 
 
 @dataclass(frozen=True)
@@ -62,16 +61,10 @@ def extract_prompt(record: dict) -> dict:
 def _turns(value, what: str, assistant_only: bool) -> list[dict]:
     if not value:
         raise RecordError(f"{what} is empty; it must be non-empty text or a list of {{role, content}} turns")
-    turns = []
-    for i, turn in enumerate(value, 1):
-        if not isinstance(turn, dict) or turn.get("role") not in ROLES:
-            raise RecordError(f"{what}'s turn {i} is not a {{role, content}} turn with a role of {', '.join(ROLES)}")
-        content = turn.get("content")
-        if not isinstance(content, str) or not content.strip():
-            raise RecordError(f"{what}'s turn {i} has {'no' if content is None else 'empty'} content")
-        if assistant_only and ROLES[turn["role"]] != "assistant":
+    turns = [checked_turn(turn, f"{what}'s turn {i}") for i, turn in enumerate(value, 1)]
+    for i, turn in enumerate(turns, 1):
+        if assistant_only and turn["role"] != "assistant":
             raise RecordError(f"{what}'s turn {i} is a {turn['role']} turn; an answer is the assistant's")
-        turns.append({"role": ROLES[turn["role"]], "content": content})
     return turns
 
 
@@ -144,7 +137,8 @@ def tokenize_pair(record: dict, tokenizer, chat_template: bool) -> Pair:
 
 
 def pairs_of(source, start: int, stop: int, renames: dict, tokenizer, settings):
-    """(pairs, bad records' messages, figures as prepare.split_report sums them) of rows [start, stop) of a loaded
+    """(pairs, bad records as ((file, line), message), figures as prepare.split_report sums them) of rows
+    [start, stop) of a loaded
     split (sft_data.Source); a pair whose prompt alone fills --seq-len is dropped, and with --overlong drop one
     whose longer row passes it."""
     chat_template, seq_len = settings.chat_template, settings.seq_len
@@ -164,7 +158,7 @@ def pairs_of(source, start: int, stop: int, renames: dict, tokenizer, settings):
             checked = preference_record(record)
             pair = tokenize_pair(checked, tokenizer, chat_template)
         except RecordError as err:
-            errors.append(f"{source.where(row)}: {err}")
+            errors.append((source.position(row), f"{source.where(row)}: {err}"))
             continue
         figures["read"] += 1
         formats.add("preference (conversational)" if isinstance(checked["prompt"], list) else "preference (text)")
@@ -185,12 +179,13 @@ def pairs_of(source, start: int, stop: int, renames: dict, tokenizer, settings):
 
 def read_pairs(settings, tokenizer) -> tuple[dict, list[tuple], dict]:
     """({"train": pairs, "eval": pairs}, the record ranges of each, each split's figures) from --dataset, --split
-    and --eval-split; every bad record is named (up to MAX_ERRORS) in one JobInputError."""
+    and --eval-split; every bad record and line that is not a record named (up to sft_data.MAX_ERRORS) in one
+    JobInputError."""
     from outcome import JobInputError
-    from sft_data import load_splits
+    from sft_data import bad_lines_message, load_splits
 
     train, held_out, loaded = load_splits(settings)
-    found, errors, figures = {}, [], {}
+    found, errors, figures = {}, [u for s in loaded.values() for u in s.unreadable], {}
     for part, ranges in (("train", train), ("eval", held_out)):
         found[part], figures[part] = [], []
         for name, start, stop in ranges:
@@ -198,10 +193,8 @@ def read_pairs(settings, tokenizer) -> tuple[dict, list[tuple], dict]:
             found[part] += pairs
             errors += bad
             figures[part].append(counted)
-    if errors:
-        more = f" (and {len(errors) - MAX_ERRORS} more)" if len(errors) > MAX_ERRORS else ""
-        raise JobInputError(f"{len(errors)} bad preference record{'s' if len(errors) > 1 else ''}{more}:\n  "
-                            + "\n  ".join(errors[:MAX_ERRORS]))  # fmt: skip
+    if errors:  # every bad record and unreadable line, in file order, as the SFT preflight names them
+        raise JobInputError(bad_lines_message([message for _, message in sorted(errors)]))
     return found, [train, held_out], figures
 
 

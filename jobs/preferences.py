@@ -17,7 +17,17 @@ import os
 from collections.abc import Callable
 
 from preference_data import Pair, pair_rows, read_pairs
-from prepare import PREPARED_DIR, _exists, _write, data_fingerprint, ranges_text, split_report, tokenizer_fingerprint
+from prepare import (
+    PREPARED_DIR,
+    data_fingerprint,
+    done,
+    exists,
+    found_prepared,
+    ranges_text,
+    split_report,
+    tokenizer_fingerprint,
+    write_object,
+)
 from prepared import SPLITS, Prepared
 from storage import filesystem
 
@@ -59,12 +69,11 @@ def pairs_from(path: str) -> list[Pair]:
 
 
 def prepare_pairs(settings, tokenizer, before_work: Callable[[], None] = lambda: None) -> Prepared:
-    """The prepared pairs for `settings`: found under their key, or read, checked and written now."""
+    """The prepared pairs for `settings`: found under their key, or read, checked and written now, by this process
+    (`before_work`, prepare.prepare's hook to join Ray for its parallel work, is not needed)."""
     target = f"{settings.storage_path.rstrip('/')}/{PREPARED_DIR}/{pairs_key(settings, tokenizer)}"
-    if _exists(f"{target}/DONE"):
-        fs, path = filesystem(f"{target}/report.json")
-        with fs.open_input_stream(path) as f:
-            return Prepared(target, json.loads(f.read()), reused=True)
+    if earlier := found_prepared(target):
+        return earlier
     found, ranges, figures = read_pairs(settings, tokenizer)
     report = {"objective": "dpo"}
     for split, split_ranges in zip(SPLITS, ranges, strict=True):
@@ -72,16 +81,14 @@ def prepare_pairs(settings, tokenizer, before_work: Callable[[], None] = lambda:
         report[split] = split_report(figures[split]) if split_ranges else None
         report[f"{split}_rows"] = len(found[split])
         _put(f"{target}/{split}/{PAIRS_FILE}", pairs_bytes(found[split]))
-    _write(f"{target}/report.json", json.dumps(report).encode())
-    _write(f"{target}/DONE", b"")
-    return Prepared(target, report, reused=False)
+    return done(target, report)
 
 
 def _put(uri: str, payload: bytes) -> None:
-    """prepare._write, its directory made first."""
+    """prepare.write_object, its directory made first."""
     fs, path = filesystem(uri)
     fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    _write(uri, payload)
+    write_object(uri, payload)
 
 
 def reference_key(settings, dtype: str) -> str:
@@ -137,10 +144,11 @@ class PreferenceData:
         from dpo import pair_log_probs
 
         uri = self.reference_uri(dtype)
-        if not _exists(uri):
+        if not exists(uri):
             if not fresh:
-                raise RuntimeError(f"the reference log-probabilities {uri} are missing: they come from the starting "
-                                   "weights, which this resumed run no longer has; start a new run (--run-name)")  # fmt: skip
+                raise RuntimeError(f"the reference log-probabilities {uri} are missing: they come from the "
+                                   "starting weights, which this resumed run no longer has; start a new run "
+                                   "(--run-name)")  # fmt: skip
             computed = {s: np.stack(pair_log_probs(root, self.pairs[s], self.settings.seq_len, self.pad,
                                                         self.settings.batch_size, self.rank, self.world, device))
                         for s in SPLITS if self.pairs[s]}  # fmt: skip

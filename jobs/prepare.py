@@ -304,17 +304,33 @@ def data_key(settings, tokenizer) -> str:
 # ---- preparing --------------------------------------------------------------------------------
 
 
-def _exists(uri: str) -> bool:
+def exists(uri: str) -> bool:
     import pyarrow.fs
 
     fs, path = filesystem(uri)
     return fs.get_file_info(path).type != pyarrow.fs.FileType.NotFound
 
 
-def _write(uri: str, payload: bytes) -> None:
+def write_object(uri: str, payload: bytes) -> None:
     fs, path = filesystem(uri)
     with fs.open_output_stream(path) as f:
         f.write(payload)
+
+
+def found_prepared(target: str) -> Prepared | None:
+    """The data prepared at `target` by an earlier run (its DONE written last), or None."""
+    if not exists(f"{target}/DONE"):
+        return None
+    fs, path = filesystem(f"{target}/report.json")
+    with fs.open_input_stream(path) as f:
+        return Prepared(target, json.loads(f.read()), reused=True)
+
+
+def done(target: str, report: dict) -> Prepared:
+    """The report, then DONE: a preparation cut short is made again, not reused."""
+    write_object(f"{target}/report.json", json.dumps(report).encode())
+    write_object(f"{target}/DONE", b"")
+    return Prepared(target, report, reused=False)
 
 
 def write_rows(target: str, split: str, results: list[dict], settings) -> int:
@@ -328,9 +344,9 @@ def write_rows(target: str, split: str, results: list[dict], settings) -> int:
     offsets = np.zeros(len(layout) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(row) for row in layout])
     records = np.fromiter((i for row in layout for i in row), dtype=np.int32, count=int(offsets[-1]))
-    _write(f"{target}/{split}/rows.npy", _npy(records))
-    _write(f"{target}/{split}/row_offsets.npy", _npy(offsets))
-    _write(f"{target}/{split}/chunks.json", json.dumps([r["used"] for r in results]).encode())
+    write_object(f"{target}/{split}/rows.npy", _npy(records))
+    write_object(f"{target}/{split}/row_offsets.npy", _npy(offsets))
+    write_object(f"{target}/{split}/chunks.json", json.dumps([r["used"] for r in results]).encode())
     return len(layout)
 
 
@@ -342,10 +358,8 @@ def prepare(settings, tokenizer, before_work: Callable[[], None] = lambda: None)
     if settings.chat_template:
         require_chat_template(tokenizer, settings.tokenizer_ref)
     target = f"{settings.storage_path.rstrip('/')}/{PREPARED_DIR}/{data_key(settings, tokenizer)}"
-    if _exists(f"{target}/DONE"):
-        fs, path = filesystem(f"{target}/report.json")
-        with fs.open_input_stream(path) as f:
-            return Prepared(target, json.loads(f.read()), reused=True)
+    if earlier := found_prepared(target):
+        return earlier
     before_work()
     train, held_out, loaded = load_splits(settings)
     pyarrow.default_memory_pool().release_unused()  # what converting the files to Arrow took
@@ -359,6 +373,4 @@ def prepare(settings, tokenizer, before_work: Callable[[], None] = lambda: None)
         mine = [r for r in results if r["split"] == split]
         report[split] = split_report(mine) if mine else None
         report[f"{split}_rows"] = write_rows(target, split, mine, settings) if mine else 0
-    _write(f"{target}/report.json", json.dumps(report).encode())
-    _write(f"{target}/DONE", b"")
-    return Prepared(target, report, reused=False)
+    return done(target, report)

@@ -67,7 +67,7 @@ from command_line import for_this_machine, from_args, parse_args
 from evaluation import before_after, read_evaluation, write_task
 from log_lines import HARMLESS_RAY_LINE, closing_summary, devices_used, epoch_line, one_line, quiet_ray_reports
 from lora import trainable_and_total
-from memory_plan import Workload, plan
+from memory_plan import Workload, plan, sequences_per_record
 from objectives import prepare_data, training_data
 from outcome import exit_code
 from prepared import data_report, print_data_report
@@ -179,9 +179,10 @@ def model_sizes(trainee: Trainee, settings: FinetuneSettings, world: int, dtype:
     to read beside the measured peak. The model is sharded over one slice's devices (HSDP across slices)."""
     trainable, total = trainable_and_total(trainee.model)
     workload = Workload(
-        devices=world // settings.num_slices, batch=settings.batch_size, seq_len=settings.seq_len, dtype_bytes=2 if dtype == "bfloat16" else 4,
-        activation_checkpointing=settings.activation_checkpointing, lora=settings.lora,
-        lora_rank=settings.lora_rank, loss_chunk=settings.loss_chunk, sequences=2 if settings.objective == "dpo" else 1,
+        devices=world // settings.num_slices, batch=settings.batch_size, seq_len=settings.seq_len,
+        dtype_bytes=2 if dtype == "bfloat16" else 4, activation_checkpointing=settings.activation_checkpointing,
+        lora=settings.lora, lora_rank=settings.lora_rank, loss_chunk=settings.loss_chunk,
+        sequences=sequences_per_record(settings.objective),
     )  # fmt: skip
     return {"trainable_params": trainable, "total_params": total,
             "memory_plan_gib": round(plan(trainee.shape, workload).total_gib, 3)}  # fmt: skip

@@ -70,6 +70,17 @@ def _text(value, what: str) -> str:
     return value
 
 
+def checked_turn(turn, name: str) -> dict:
+    """One {role, content} turn, its role made one of ROLES' values (raises RecordError naming it `name`)."""
+    if not isinstance(turn, dict):
+        raise RecordError(f"{name} is not a {{role, content}} object")
+    if turn.get("role") is None:
+        raise RecordError(f"{name}'s role is missing; use one of {', '.join(ROLES)}")
+    if turn["role"] not in ROLES:
+        raise RecordError(f"{name} has the unknown role {turn['role']!r}; use one of {', '.join(ROLES)}")
+    return {"role": ROLES[turn["role"]], "content": _text(turn.get("content"), f"{name}'s content")}
+
+
 def conversation(record: dict, fmt: str) -> list[dict]:
     """The record as turns [{role, content}] (a Dolly user turn also keeps its `context`); raises RecordError."""
     if fmt == "prompt/completion":
@@ -90,15 +101,7 @@ def conversation(record: dict, fmt: str) -> list[dict]:
         raise RecordError("messages is missing; it must be a non-empty list of {role, content} turns")
     if not isinstance(turns, list) or not turns:
         raise RecordError("messages must be a non-empty list of {role, content} turns")
-    out = []
-    for i, turn in enumerate(turns, 1):  # numbered as people count, like the lines
-        if not isinstance(turn, dict):
-            raise RecordError(f"turn {i} is not a {{role, content}} object")
-        if turn.get("role") is None:
-            raise RecordError(f"turn {i}'s role is missing; use one of {', '.join(ROLES)}")
-        if turn["role"] not in ROLES:
-            raise RecordError(f"turn {i} has the unknown role {turn['role']!r}; use one of {', '.join(ROLES)}")
-        out.append({"role": ROLES[turn["role"]], "content": _text(turn.get("content"), f"turn {i}'s content")})
+    out = [checked_turn(turn, f"turn {i}") for i, turn in enumerate(turns, 1)]  # numbered as people count
     if not any(t["role"] == "assistant" for t in out):
         raise RecordError("the conversation has no assistant turn, so nothing to train on")
     return out

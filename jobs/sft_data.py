@@ -28,7 +28,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from data_formats import EVAL_MOST, EVAL_SHARE, LOCAL_DATA, is_file_source
+from data_formats import LOCAL_DATA, auto_eval_count, is_file_source
 from outcome import JobInputError
 from recipe import IGNORE, predicted_tokens
 from splits import overlap
@@ -250,13 +250,13 @@ def absolute(spec: str, sizes: dict[str, int]) -> list[tuple[str, int, int]]:
 
 
 def default_eval(train: list[tuple[str, int, int]], sizes: dict[str, int]) -> tuple[list, list]:
-    """--eval-split auto: (training ranges, held-out ranges). 1/EVAL_SHARE as many records as the training slice
-    (at least one, at most EVAL_MOST): those right after it, or, where it reaches the end of its split (all of a
-    file, by default), its own last ones, which are then not trained on."""
+    """--eval-split auto: (training ranges, held-out ranges). data_formats.auto_eval_count of the training slice's
+    records: those right after it, or, where it reaches the end of its split (all of a file, by default), its own
+    last ones, which are then not trained on."""
     if len(train) != 1:
         raise JobInputError("--eval-split auto needs a single training slice such as train[:1024]; name one")
     name, start, stop = train[0]
-    count = min(EVAL_MOST, -(-(stop - start) // EVAL_SHARE))
+    count = auto_eval_count(stop - start)
     if stop < sizes[name]:
         return train, [(name, stop, min(sizes[name], stop + count))]
     if stop - start < 2:

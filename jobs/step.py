@@ -106,6 +106,7 @@ class StepResult:
     grad_norm: object
     lr: float
     counts: tuple[float, float, float, float]
+    metric_sums: object = None  # the objective's own sums, a device tensor (DPO's: dpo.METRICS)
 
     @property
     def stop(self) -> str | None:
@@ -148,6 +149,35 @@ def set_lr(optimizer, lr: float) -> None:
             group["lr"] = lr
 
 
+def global_counts(mine: tuple[int, int], stop: bool, preempted: bool) -> tuple[float, float, float, float]:
+    """This rank's host counts (what the loss is divided by, and real tokens) with its stop request and preemption
+    notice, summed over every rank on the hosts' group: one all-reduce, no device read."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    counts = torch.from_numpy(np.array([*mine, stop, preempted], dtype=np.float64))
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=host_group())
+    return tuple(counts.numpy().tolist())
+
+
+def divisor(count: float, device):
+    """The global count a micro-batch's summed loss is divided by, a device tensor copied from the host (not a new
+    constant in the step's program each step)."""
+    import torch
+
+    return torch.tensor(max(count, 1.0), dtype=torch.float32).to(device)
+
+
+def optimizer_step(optimizer, max_grad_norm: float):
+    """Clip the gradients the micro-batches left, step, clear them; the gradient norm (a device tensor)."""
+    trainable = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = clip_grad_norm(trainable, max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
 def train_step(model, optimizer, micro_batches: list, lr: float, max_grad_norm: float, packing: bool, device,
                stop: bool = False, preempted: bool = False) -> StepResult:  # fmt: skip
     """One optimizer step over one global batch (this rank's micro-batches, and every other rank's).
@@ -158,25 +188,17 @@ def train_step(model, optimizer, micro_batches: list, lr: float, max_grad_norm: 
     request to stop (`stop`: SIGTERM) and its preemption notice (`preempted`), from stopping.py. Nothing is read
     back from the device.
     """
-    import numpy as np
     import torch
-    import torch.distributed as dist
 
-    counts = torch.from_numpy(np.array([*host_counts(micro_batches), stop, preempted], dtype=np.float64))
-    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=host_group())
-    total = tuple(counts.numpy().tolist())
-    divisor = torch.tensor(max(total[0], 1.0), dtype=torch.float32).to(device)
+    total = global_counts(host_counts(micro_batches), stop, preempted)
+    by = divisor(total[0], device)
     set_lr(optimizer, lr)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for batch in micro_batches:
         summed = model(**model_inputs(batch, packing, device))
-        (summed / divisor).backward()
+        (summed / by).backward()
         loss_sum += summed.detach().float()
-    trainable = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_norm = clip_grad_norm(trainable, max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum, grad_norm, lr, total)
+    return StepResult(loss_sum, optimizer_step(optimizer, max_grad_norm), lr, total)
 
 
 def global_sum(*values: float, device=None) -> list[float]:

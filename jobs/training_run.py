@@ -82,7 +82,8 @@ class RunState:
     def from_json(cls, saved: dict) -> RunState:
         running, progress = saved.get("running") or {}, saved.get("progress") or {}
         epoch_sums = Sums(running.get("loss_sum", 0.0), running.get("predicted", 0.0), running.get("real", 0.0),
-                          running.get("steps", 0), running.get("elapsed_s", 0.0), tuple(running.get("metrics", ())))  # fmt: skip
+                          running.get("steps", 0), running.get("elapsed_s", 0.0),
+                          tuple(running.get("metrics", ())))  # fmt: skip
         line_sums = Sums(progress.get("loss_sum", 0.0), progress.get("predicted", 0.0), progress.get("real", 0.0),
                          metrics=tuple(progress.get("metrics", ())))  # fmt: skip
         return cls(saved["epoch"], saved["step"], epoch_sums, line_sums, tuple(saved.get("history", ())),

@@ -27,6 +27,7 @@ def preference_records(dataset: str, n: int, conversational: bool) -> list[dict]
 
 
 def test_bad_preference_records_are_named_by_file_and_line(tiny_assets, tmp_path):
+    """Every bad pair and every line that is not a record, in one message, by the line an editor shows."""
     from outcome import JobInputError
     from preference_data import read_pairs
     from render import load_tokenizer
@@ -36,16 +37,20 @@ def test_bad_preference_records_are_named_by_file_and_line(tiny_assets, tmp_path
            {"prompt": "q", "chosen": " ", "rejected": "b"},
            {"prompt": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "b"}]  # fmt: skip
     path = tmp_path / "pairs.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in good[:2] + bad[:3] + good[2:]))
+    lines = (
+        [json.dumps(r) for r in good[:2] + bad[:3]] + ['{"prompt": "q", "chosen": '] + [json.dumps(r) for r in good[2:]]
+    )
+    path.write_text("\n".join(lines) + "\n")
     config = settings({"model": tiny_assets["model"], "dataset": str(path)}, "--split", "train", "--eval-split",
                       "none")  # fmt: skip
     with pytest.raises(JobInputError) as err:
         read_pairs(config, load_tokenizer(config.tokenizer_ref))
-    assert str(err.value).splitlines() == [
-        "3 bad preference records:",
+    assert str(err.value).splitlines() == [  # in file order, a line that is not JSON among them, as SFT's
+        "4 bad records:",
         f"  {path}, line 3: chosen and rejected are the same; a pair must prefer one answer to another",
         f"  {path}, line 4: rejected is missing",
         f"  {path}, line 5: chosen is empty",
+        f'  {path}, line 6: not JSON (Expecting value): \'{{"prompt": "q", "chosen":\'',
     ]
     from preference_data import preference_record
     from render import RecordError
@@ -216,6 +221,7 @@ def dpo_settings(assets: dict, *flags: str):
                     "train[:24]", "--batch-size", "4", "--eval-samples", "0", "--epochs", "2", *flags)  # fmt: skip
 
 
+@pytest.mark.slow  # (the SFT run's resume and SIGTERM tests hold the loop in make test-fast)
 def test_a_dpo_run_resumes_exactly_and_reads_its_reference_back(tiny_assets, tmp_path, gloo_rank):
     """The run loop with --objective dpo: each epoch's loss, reward accuracy and the held-out pairs' (auto: the 2
     after the 24 trained); a run stopped after epoch 1 and resumed ends with the uninterrupted run's weights, its
@@ -266,6 +272,7 @@ def test_the_driver_checks_and_prepares_pairs_before_any_worker(tiny_assets, tmp
     )
 
 
+@pytest.mark.slow
 def test_with_lora_the_reference_is_the_base_with_the_adapters_off(tiny_assets, gloo_rank):
     """LoRA's adapters start at zero (peft: B = 0), so the reference computed before the first step is the base
     model's: the first step's rewards are exactly 0 and its loss log 2; the adapters then learn the preferences."""
@@ -284,6 +291,7 @@ def test_with_lora_the_reference_is_the_base_with_the_adapters_off(tiny_assets, 
     assert state.history[1]["loss"] < min(state.history[0]["loss"], math.log(2))  # the pairs seen again
 
 
+@pytest.mark.slow
 def test_the_held_out_pairs_are_scored_before_and_after(tiny_assets, tmp_path, gloo_rank):
     """With the before/after evaluation, a DPO run's held-out pairs are a task of evaluation.json: the base's loss
     is log 2 (it is its own reference), and how often each model finds the chosen answer the likelier."""
@@ -309,6 +317,7 @@ def test_the_held_out_pairs_are_scored_before_and_after(tiny_assets, tmp_path, g
     assert Plan.of(dpo_settings(tiny_assets, "--eval-tasks", "none"), None) is None
 
 
+@pytest.mark.slow  # (the SFT run's resume and SIGTERM tests hold the loop in make test-fast)
 def test_sigterm_mid_epoch_saves_the_next_step_and_a_dpo_run_goes_on_to_the_same_weights(tiny_assets, tmp_path):
     """Two ranks, 9 steps with saves every 4: rank 1 sent SIGTERM after step 2, both save step 3 and stop (the
     request rides on DPO's count all-reduce as on SFT's); the next attempt goes on from step 3 and ends where an
