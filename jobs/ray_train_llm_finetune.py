@@ -190,7 +190,8 @@ def model_sizes(trainee: Trainee, settings: FinetuneSettings, world: int, dtype:
 
 def epoch_metrics(settings: FinetuneSettings, epoch: int, trained: dict, held_out: dict, elapsed: float,
                   world: int) -> dict:  # fmt: skip
-    positions = trained["steps"] * settings.grad_accum * settings.batch_size * world * settings.seq_len
+    rows = settings.grad_accum * settings.batch_size * world * sequences_per_record(settings.objective)
+    positions = trained["steps"] * rows * settings.seq_len
     return {
         "epoch": epoch,
         "loss": trained["loss"],  # over every predicted token of the epoch, all ranks
@@ -201,9 +202,9 @@ def epoch_metrics(settings: FinetuneSettings, epoch: int, trained: dict, held_ou
         "tokens_per_s": positions / elapsed,
         "real_tokens_per_s": trained["real_tokens"] / elapsed,
         "real_token_share": trained["real_tokens"] / max(positions, 1),
-        "predicted_tokens": trained["predicted_tokens"],
+        "predicted_tokens": trained["predicted_tokens"],  # (DPO: the pairs the loss is the mean over)
         "steps": trained["steps"],
-        "global_batch_rows": settings.grad_accum * settings.batch_size * world,
+        "global_batch_rows": rows,
         "lr": trained["lr"],
         "grad_norm": trained["grad_norm"],
         "packing": settings.packing,

@@ -334,3 +334,23 @@ def test_sigterm_mid_epoch_saves_the_next_step_and_a_dpo_run_goes_on_to_the_same
     assert after["from"] == "checkpoint_step_0000003" and after["seen"] == [4, 5, 6, 7, 8, 9]
     same_run(after, straight)
     assert "rewards/accuracies" in straight["state"]["history"][-1] and straight["state"]["evals"]
+
+
+def test_a_pairs_epoch_counts_two_rows_a_pair():
+    """The epoch's throughput figures: a DPO global batch of 8 pairs is 16 padded rows (chosen and rejected)."""
+    from ray_train_llm_finetune import epoch_metrics
+
+    trained = {
+        "loss": 0.6,
+        "real_tokens": 8_000.0,
+        "predicted_tokens": 80.0,
+        "steps": 10,
+        "lr": 1e-4,
+        "grad_norm": 1.0,
+    }
+    sft, dpo = (epoch_metrics(settings({"model": "m", "dataset": "d.jsonl"}, *flags, "--batch-size", "4",
+                                       "--num-workers", "2", "--seq-len", "64"), 1, trained, {}, 2.0, 2)
+                for flags in ((), ("--objective", "dpo")))  # fmt: skip
+    assert (sft["global_batch_rows"], dpo["global_batch_rows"]) == (8, 16)
+    assert dpo["real_token_share"] == pytest.approx(8_000 / (10 * 16 * 64)) and dpo["real_token_share"] < 1
+    assert dpo["tokens_per_s"] == 2 * sft["tokens_per_s"] and dpo["packing"] is False
