@@ -21,7 +21,7 @@ lint: $(INSTALLED)
 	$(BIN)/check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
 	$(BIN)/python -m infra.pulumi_yaml --check
 
-# Pulumi.yaml's fine-tune keys, written from the settings' declarations (jobs/settings.py).
+# Pulumi.yaml's fine-tune keys, written from the settings' declarations (jobs/config/settings.py).
 pulumi-yaml: $(INSTALLED)
 	$(BIN)/python -m infra.pulumi_yaml
 

@@ -10,15 +10,15 @@ The `local` stack declares only the jobs, against a Ray head on this machine.
 import pulumi
 
 from infra import config
-from infra.apis import ProjectApis, ProjectApisArgs
-from infra.cluster import ClusterArgs, GkeCluster, GkeClusterArgs, TpuPoolArgs
-from infra.dataset import DatasetFile, DatasetFileArgs
-from infra.kube import KubernetesAccess, KubernetesAccessArgs
 from infra.models import memory_plan_output
 from infra.prices import cost_estimate, run_cost
-from infra.raycluster import RayCluster, RayClusterArgs, RayClusterSpec, dashboard_command
-from infra.registry import ImageRegistry, ImageRegistryArgs
-from infra.storage import CheckpointBucket, CheckpointBucketArgs
+from infra.resources.apis import ProjectApis, ProjectApisArgs
+from infra.resources.cluster import ClusterArgs, GkeCluster, GkeClusterArgs, TpuPoolArgs
+from infra.resources.dataset import DatasetFile, DatasetFileArgs
+from infra.resources.kube import KubernetesAccess, KubernetesAccessArgs
+from infra.resources.raycluster import RayCluster, RayClusterArgs, RayClusterSpec, dashboard_command
+from infra.resources.registry import ImageRegistry, ImageRegistryArgs
+from infra.resources.storage import CheckpointBucket, CheckpointBucketArgs
 from infra.training import TrainingJobs, gke_target, identity, local_target, training_props
 
 cfg, hf_token = config.load()

@@ -1,5 +1,5 @@
 """`make bench`'s checkpoint-write table: one rank's DCP shard written to gs:// through gcsfs, with gcsfs and
-torch's defaults (one file, 5 MiB blocks) against the jobs' settings (jobs/storage.py: CHECKPOINT_THREADS
+torch's defaults (one file, 5 MiB blocks) against the jobs' settings (jobs/runtime/storage.py: CHECKPOINT_THREADS
 files at once, CHECKPOINT_BLOCK_BYTES blocks), on the GCS emulator on 127.0.0.1 (fake-gcs-server) with the
 metadata-server stand-in for the token. Each setting is written `--repeats` times in turn; the table gives the
 median seconds and MB/s, and the ratio.
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     emulator = StorageEmulator().start()
     emulator.create_bucket("bench-ckpt")
     settings = {"defaults (1 file, 5 MiB blocks)": storage.fsspec_options("gs://bench-ckpt"),
-                "the jobs' (jobs/storage.py)": storage.checkpoint_writer_options("gs://bench-ckpt")}  # fmt: skip
+                "the jobs' (jobs/runtime/storage.py)": storage.checkpoint_writer_options("gs://bench-ckpt")}  # fmt: skip
     state = {f"w{i}": torch.randn(1024, 1024) for i in range(args.mb // 4)}
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/rendezvous", rank=0, world_size=1)
     try:

@@ -1,4 +1,4 @@
-"""`make bench`'s data table: Dolly-shaped records prepared once (jobs/prepared.py), then the fine-tune's
+"""`make bench`'s data table: Dolly-shaped records prepared once (jobs/data/prepared.py), then the fine-tune's
 start on them, at 10k, 100k and 1M records.
 
 For each size, on one local Ray head with this machine's cores, the real job:

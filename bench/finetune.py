@@ -86,9 +86,10 @@ def make_assets(out: Path, size: str, rows: int) -> dict[str, str]:
 
 
 def real_share(assets: dict[str, str], seq_len: int) -> float:
-    from render import conversation, render_text, tokenize
-    from sft_data import load_split, real_token_share
     from transformers import AutoTokenizer
+
+    from data.render import conversation, render_text, tokenize
+    from data.sft_data import load_split, real_token_share
 
     tokenizer = AutoTokenizer.from_pretrained(assets["model"])
     records = load_split(assets["dataset"], "train").data

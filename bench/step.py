@@ -83,13 +83,14 @@ class Reads:
 def reads_per_step(assets: dict[str, str], steps: int, put_back: bool) -> float:
     """The job's step, `steps` times, in this process (one gloo rank); with `put_back`, the reads it used to make."""
     import torch
-    from backend import get_backend
-    from command_line import from_args, parse_args
-    from model import adamw, build_model
-    from recipe import Schedule
-    from step import TrainingData, micro_batch_groups, train_step
-    from training_run import TokenSums
     from transformers import masking_utils
+
+    from config.command_line import from_args, parse_args
+    from runtime.backend import get_backend
+    from training.model import adamw, build_model
+    from training.recipe import Schedule
+    from training.step import TrainingData, micro_batch_groups, train_step
+    from training.training_run import TokenSums
 
     settings = from_args(parse_args(["--backend", "cpu", "--num-workers", "1", "--model", assets["model"], "--dataset",
                                      assets["dataset"], "--seq-len", "256", "--batch-size", "2", "--max-steps",

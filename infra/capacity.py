@@ -1,8 +1,8 @@
 """Where a TPU slice's capacity comes from, and what each kind implies: a typed row of the stack's
 choice, and the public facts behind it.
 
-Read by the config check, the node pool (infra/cluster.py), the RayCluster's Autopilot selectors
-(infra/raycluster.py), the job resource's slice settings and the prices (infra/prices.py).
+Read by the config check, the node pool (infra/resources/cluster.py), the RayCluster's Autopilot selectors
+(infra/resources/raycluster.py), the job resource's slice settings and the prices (infra/prices.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ RESERVATION = re.compile(
 )
 
 
-# The Ray head pod beside the slice: the RayCluster's requests and limits (infra/raycluster.py), and the
+# The Ray head pod beside the slice: the RayCluster's requests and limits (infra/resources/raycluster.py), and the
 # bound of headCpus, the CPUs of it Ray may use (infra/config.py).
 HEAD_RESOURCES = {"cpu": "4", "memory": "16Gi"}
 
@@ -44,7 +44,7 @@ AUTOPILOT_SPOT_GRACE_S = 25
 POD_GRACE_S = 120
 # Of a pod's grace, what its preStop hook keeps back after the drain's deadline: the hook's own start (a
 # Python that imports Ray), then `ray start`'s shutdown once the hook returns (RAY_GRACEFUL_SHUTDOWN_DRAIN_
-# TIMEOUT_S on the workers: infra/raycluster.py).
+# TIMEOUT_S on the workers: infra/resources/raycluster.py).
 STOP_MARGIN_S = 15
 RAY_SHUTDOWN_DRAIN_S = 5
 

@@ -1,7 +1,7 @@
 """The stack's settings: read once, validated once, frozen, before any resource exists.
 
 Keys, types and defaults live in Pulumi.yaml's `config:` block (so `pulumi config` documents them; the
-fine-tune's keys there are written from the job's own declarations, jobs/settings.py). `parse` reads the raw
+fine-tune's keys there are written from the job's own declarations, jobs/config/settings.py). `parse` reads the raw
 strings (infra/config_reader.py), runs the stack's checks (infra/config_checks.py) and the job's (through
 infra/job_config.py), and builds one StackConfig; every problem found is reported together.
 """
@@ -103,6 +103,7 @@ def parse(
 ) -> StackConfig:
     """Turn raw config strings into a StackConfig, or raise ConfigError naming every bad value."""
     r = Reader(raw)
+    checks.known_keys(r)
     mode = checks.mode(r)
     local = mode == "local"
     tpu_slice = checks.tpu_slice(r)
@@ -141,12 +142,22 @@ def parse(
                        head_cpus=r.positive("headCpus", minimum=0), **names, **switches)  # fmt: skip
 
 
+def project_keys() -> set[str]:
+    """Every key set in the project's namespace, declared or not: the Pulumi CLI's language host hands the
+    program its config as PULUMI_CONFIG (JSON), and set_mocks' tests through set_all_config."""
+    from pulumi.runtime import config
+
+    given = config.get_config_env() | config.CONFIG.get()
+    return {k.split(":", 1)[1] for k in given if k.startswith(f"{PROJECT}:")}
+
+
 def load() -> tuple[StackConfig, object]:
     """Read the running stack's config; returns it and the token as a Pulumi secret Output."""
     import pulumi
 
     cfg, gcp = pulumi.Config(PROJECT), pulumi.Config("gcp")
-    raw = {name: cfg.get(name) for name in declared_keys() if name not in secret_keys()}
+    names = set(declared_keys()) | project_keys()
+    raw = {name: cfg.get(name) for name in names if name not in secret_keys()}
     token = cfg.get_secret("hfToken")
     stack_config = parse(
         raw,

@@ -6,6 +6,7 @@ rules (infra/job_config.py).
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import urllib.parse
@@ -65,6 +66,16 @@ def is_http_url(text: str) -> bool:
         return False
     host_ok = bool(url.hostname) and re.fullmatch(r"[A-Za-z0-9.:-]+", url.hostname) is not None
     return url.scheme in ("http", "https") and host_ok and url.path in ("", "/") and not url.query
+
+
+def known_keys(r: Reader) -> None:
+    """Every key set in the project's namespace is one Pulumi.yaml declares: the CLI passes any other on (a
+    misspelt `lerningRate` would leave the run at the default rate, silently)."""
+    for name in sorted(set(r.raw) - set(r.decl)):
+        closest = difflib.get_close_matches(name, r.decl, n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(closest)}? " if closest else ""
+        r.problem(f"{key(name)}: not a key this project reads; {hint}(pulumi config rm {name}; `pulumi config` "
+                  "and Pulumi.yaml list the keys)")  # fmt: skip
 
 
 def mode(r: Reader) -> str:

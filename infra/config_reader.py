@@ -15,7 +15,7 @@ from infra.capacity import HEAD_RESOURCES
 
 _VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+)-gke\.(\d+))?$")
 
-# Upper bounds of the stack's own counts, each with why (the job's settings carry theirs: jobs/settings.py).
+# Upper bounds of the stack's own counts, each with why (the job's settings carry theirs: jobs/config/settings.py).
 LIMITS = {
     "jobTimeoutMinutes": (10080, "a week; the job resource waits this long, twice, for its jobs"),
     "sliceReadyTimeoutMinutes": (1440, "a day; GKE adds a slice within minutes when capacity exists"),

@@ -1,5 +1,5 @@
 """The fine-tune's settings as the stack will send them, read from the stack's config by the job's own
-declarations (jobs/settings.py): each setting a stack key exposes, by its declared type; a recipe setting left
+declarations (jobs/config/settings.py): each setting a stack key exposes, by its declared type; a recipe setting left
 unset from the recipe; the placement and the storage from the stack's own keys. Then the job's own checks
 (settings.problems), said in the stack's words: what the job would refuse, the stack refuses at preview,
 naming the key.
@@ -12,8 +12,8 @@ from pathlib import Path
 
 from infra import ROOT
 from infra.config_reader import Reader, key
-from infra.dataset import dataset_ref
 from infra.job_modules import settings
+from infra.resources.dataset import dataset_ref
 from infra.tpu import TpuSlice
 
 CHECKPOINT_PREFIX = "ray_train_torchtpu"  # the walkthrough's prefix in the bucket

@@ -1,7 +1,7 @@
 """The stack's one door into jobs/: the jobs' torch-free modules, under the names the jobs import each other by.
 
 jobs/ travels alone, as Ray's working directory (`ray job submit --working-dir jobs -- python
-ray_train_llm_finetune.py`), its modules importing one another as top-level modules (`import recipe`). The
+ray_train_llm_finetune.py`), its packages importing one another from the top (`from training import recipe`). The
 stack reads some of the same facts and functions (the settings table, the TPU generations, the split grammar,
 the memory plan, the storage clients' names); jobs/ is put on sys.path here, once, and everything in infra/
 that reads a job module imports it from here, so a reader sees where it comes from:
@@ -18,20 +18,24 @@ from infra import JOBS_DIR
 if str(JOBS_DIR) not in sys.path:
     sys.path.insert(0, str(JOBS_DIR))
 
-import backend  # noqa: E402
-import command_line  # noqa: E402
-import data_formats  # noqa: E402
-import eval_tasks  # noqa: E402
-import log_lines  # noqa: E402
-import memory_plan  # noqa: E402
-import outcome  # noqa: E402
-import run_files  # noqa: E402
-import samples  # noqa: E402
-import settings  # noqa: E402
-import splits  # noqa: E402
-import storage  # noqa: E402
 import tiny_assets  # noqa: E402
-import tpu_generations  # noqa: E402
+from config import (
+    command_line,  # noqa: E402
+    data_formats,  # noqa: E402
+    eval_tasks,  # noqa: E402
+    settings,  # noqa: E402
+    splits,  # noqa: E402
+)
+from runtime import (
+    backend,  # noqa: E402
+    log_lines,  # noqa: E402
+    memory_plan,  # noqa: E402
+    outcome,  # noqa: E402
+    run_files,  # noqa: E402
+    storage,  # noqa: E402
+    tpu_generations,  # noqa: E402
+)
+from training import samples  # noqa: E402
 
 __all__ = [
     "backend",

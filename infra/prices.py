@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from infra.dataset import records_in
 from infra.job_modules import data_formats, eval_tasks, memory_plan, samples, splits
 from infra.models import known_model
+from infra.resources.dataset import records_in
 
 if TYPE_CHECKING:  # the estimate reads the stack's config; the facts it needs are in their own tables
     from infra.config import StackConfig

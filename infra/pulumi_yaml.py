@@ -1,4 +1,4 @@
-"""Pulumi.yaml's job keys, written from the job's declarations (jobs/settings.py): one key for each setting the
+"""Pulumi.yaml's job keys, written from the job's declarations (jobs/config/settings.py): one key for each setting the
 stack exposes, with its type, its default and its description. The stack's own keys stay above the marker line,
 written by hand; everything below it is this command's.
 
@@ -21,9 +21,7 @@ import yaml
 from infra import PULUMI_YAML
 from infra.job_modules import settings
 
-MARKER = (
-    "  # ---- the fine-tune's keys: written from jobs/settings.py by `python -m infra.pulumi_yaml`; edit them there"
-)
+MARKER = "  # ---- the fine-tune's keys: written from jobs/config/settings.py by `python -m infra.pulumi_yaml`; edit them there"
 TYPES = {bool: "boolean", int: "integer", float: "string", str: "string"}
 # What a YAML 1.2 parser (the Pulumi CLI's, in Go) reads as something other than a string, though PyYAML's 1.1
 # rules read some of it as one (a learning rate in exponent form): a string default like this is written in quotes.

@@ -1,4 +1,4 @@
-"""A TPU slice: a generation's row (jobs/tpu_generations.py, the one table, which the jobs read too) and one of
+"""A TPU slice: a generation's row (jobs/runtime/tpu_generations.py, the one table, which the jobs read too) and one of
 its topologies, and everything the stack derives from them: hosts, devices, the worker group's name, node
 selectors, pod sizes, Ironwood's extras. Never written again elsewhere.
 """

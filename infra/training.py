@@ -16,7 +16,7 @@ import pulumi
 import pulumi.dynamic as dynamic
 
 from infra.config import StackConfig
-from infra.raycluster import DASHBOARD_PORT, head_service
+from infra.resources.raycluster import DASHBOARD_PORT, head_service
 from infra.runner import ray_jobs
 from infra.runner.resilience import RetryPolicy
 
@@ -32,7 +32,7 @@ RETRY_BUDGET_S = RetryPolicy.budget_s
 
 
 def training_settings(cfg: StackConfig) -> dict:
-    """What the fine-tune is asked to do (its settings, as the job declares them: jobs/settings.py), without
+    """What the fine-tune is asked to do (its settings, as the job declares them: jobs/config/settings.py), without
     max_failures, which does not define the run (changing it re-runs nothing and reaches the next submission),
     nor the unset ones (None: Pulumi keeps no input of it)."""
     return {k: v for k, v in asdict(cfg.job).items() if k != "max_failures" and v is not None}
@@ -173,7 +173,7 @@ class TrainingJobs(dynamic.Resource):
     run_hours: pulumi.Output[float]
     collectives: pulumi.Output[dict]
     job_ids: pulumi.Output[dict]
-    evaluation: pulumi.Output[dict]  # the before/after evaluation (jobs/evaluation.py), None without one
+    evaluation: pulumi.Output[dict]  # the before/after evaluation (jobs/evaluation/before_after.py), None without one
 
     def __init__(self, name: str, props: dict, opts: pulumi.ResourceOptions | None = None):
         """`props`: training_props(...), what the jobs are asked to do and where."""

@@ -25,11 +25,12 @@ import socket
 import sys
 
 import ray
-from backend import connect_ray, get_backend
-from command_line import add_flags
-from outcome import JobInputError, exit_code
-from settings import PLACEMENT, placement, worker_count
-from tpu_generations import by_accelerator_type
+
+from config.command_line import add_flags
+from config.settings import PLACEMENT, placement, worker_count
+from runtime.backend import connect_ray, get_backend
+from runtime.outcome import JobInputError, exit_code
+from runtime.tpu_generations import by_accelerator_type
 
 TPU_MASTER_PORT = 29500
 MEGASCALE_PORT = 8081  # Ray's DEFAULT_MEGASCALE_PORT (ray/_private/accelerators/tpu.py)
@@ -38,7 +39,7 @@ RTOL, ATOL = 1e-3, 1e-2
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_flags(p, PLACEMENT)  # the fine-tune's, declared in jobs/settings.py
+    add_flags(p, PLACEMENT)  # the fine-tune's, declared in jobs/config/settings.py
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--expansion", type=int, default=4)
     p.add_argument("--batch", type=int, default=64)
@@ -136,7 +137,8 @@ def check_rank(backend, rank: int, world: int, args: dict) -> dict:
     reference, an all-reduce of rank + 1 over every rank, and one of slice + 1 across the slices."""
     import torch
     import torch.distributed as dist
-    from model import apply_tp, device_mesh
+
+    from training.model import apply_tp, device_mesh
 
     device = backend.device()
     slices = args.get("num_slices", 1)

@@ -20,7 +20,7 @@ import os
 import sys
 import tempfile
 
-from evaluation import (
+from evaluation.before_after import (
     EVALUATION_FILE,
     HELDOUT_TASKS,
     PAIRS_TASK,
@@ -28,9 +28,10 @@ from evaluation import (
     TASK_DIR,
     read_evaluation,
     reported,
+    task_manager,
     task_scores,
 )
-from outcome import JobInputError
+from runtime.outcome import JobInputError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -49,7 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def local_copy(uri: str, into: str) -> str:
     """A local path for `uri` (a directory or file): itself, or a copy under `into` for a gs:// one."""
     import pyarrow.fs
-    from storage import filesystem, is_gcs
+
+    from runtime.storage import filesystem, is_gcs
 
     if not is_gcs(uri):
         return uri
@@ -75,7 +77,6 @@ def local_tasks(task_dir: str, into: str) -> str:
 def rescore(run: str, model: str, device: str, dtype: str, batch_size: int) -> list[str]:
     """The lines comparing the run's scores of `model` with lm-eval's hf backend's here."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     evaluation = read_evaluation(run)
     if evaluation is None:
@@ -94,7 +95,7 @@ def rescore(run: str, model: str, device: str, dtype: str, batch_size: int) -> l
         for tasks, include_path, chat_template, limit in runs:
             results = lm_eval.simple_evaluate(
                 model="hf", model_args=model_args, tasks=tasks, device=device, batch_size=batch_size,
-                task_manager=TaskManager(include_path=include_path), apply_chat_template=chat_template,
+                task_manager=task_manager(include_path, named=include_path is None), apply_chat_template=chat_template,
                 limit=limit, bootstrap_iters=0, fewshot_random_seed=1234,
             )  # fmt: skip
             here |= {task: task_scores(results, task) for task in reported(results, tasks)}

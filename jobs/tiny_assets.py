@@ -139,9 +139,10 @@ SIZES = {
 
 
 def make_model(out: Path, vocab_size: int, seed: int = 0, size: str = "tiny") -> Path:
-    """A random-weight Gemma 4 (text only) that AutoModelForCausalLM loads like the real one."""
+    """A random-weight Gemma 4 (text only) that AutoModelForCausalLM loads like the real one, beside the tokenizer
+    already saved in `out`."""
     import torch
-    from transformers import AutoModelForCausalLM, Gemma4Config
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma4Config
 
     torch.manual_seed(seed)
     shape = SIZES[size]
@@ -171,6 +172,10 @@ def make_model(out: Path, vocab_size: int, seed: int = 0, size: str = "tiny") ->
         bos_token_id=2,
     )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    # as Gemma 4's generation_config.json ([1, 106]): generation ends at EOS or at the end of turn, `<turn|>`
+    # (the tokenizer saved in `out` before the model, by every caller)
+    end_of_turn = AutoTokenizer.from_pretrained(out).convert_tokens_to_ids(TURN_MARKERS[1])
+    model.generation_config.eos_token_id = [config.text_config.eos_token_id, end_of_turn]
     model.save_pretrained(out)
     return out
 
@@ -189,8 +194,9 @@ def make_pairs(path: Path, dataset: Path, seed: int = 0) -> Path:
     return path
 
 
-# Bumped whenever what make_all writes changes: older assets are then made again (2: the chat template; 3: pairs).
-ASSETS_VERSION = "3"
+# Bumped whenever what make_all writes changes: older assets are then made again (2: the chat template; 3: pairs;
+# 4: the generation config stops at the end of turn, as Gemma 4's does).
+ASSETS_VERSION = "4"
 
 
 def make_all(out: Path) -> dict[str, str]:

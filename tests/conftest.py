@@ -60,13 +60,12 @@ HEAD_CPUS = 8  # logical: two workers' fine-tunes (2 each) and a collectives che
 def pytest_configure(config):
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
         return  # a worker, or no workers: the session fixtures below make what is needed when it is needed
-    from tiny_assets import make_all
-
     from infra.runner.local_ray import LocalRayHead
+    from tiny_assets import make_all
 
     config.shared_dir = shared = Path(tempfile.mkdtemp(prefix="gemma-tpu-tests-"))
     found = {"assets": make_all(shared / "assets")}
-    if config.option.markexpr != "not e2e":  # (`make test-fast` runs no test that needs the head)
+    if "not e2e" not in (config.option.markexpr or ""):  # (`make test-fast` runs no test that needs the head)
         config.shared_head = LocalRayHead(num_cpus=HEAD_CPUS, log_dir=shared).start()
         found |= {"port": config.shared_head.port, "dashboard_port": config.shared_head.dashboard_port}
     os.environ[SHARED] = json.dumps(found)

@@ -16,8 +16,9 @@ def tiny_of_size(size: str, assets: dict, out: Path) -> dict:
     """The tiny model at another of jobs/tiny_assets.py's sizes, with the same tokenizer and data."""
     import shutil
 
-    from tiny_assets import make_model
     from transformers import AutoTokenizer
+
+    from tiny_assets import make_model
 
     shutil.copytree(assets["model"], out, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
     make_model(out, vocab_size=len(AutoTokenizer.from_pretrained(assets["model"])), size=size)
@@ -27,7 +28,7 @@ def tiny_of_size(size: str, assets: dict, out: Path) -> dict:
 def settings(assets: dict, *flags: str):
     """The job's settings (a settings.FinetuneSettings) for `flags`, after the tiny model, its data and the CPU
     backend."""
-    from command_line import from_args, parse_args
+    from config.command_line import from_args, parse_args
 
     base = ["--backend", "cpu", "--num-workers", "1", "--model", assets["model"], "--dataset", assets["dataset"],
             "--seq-len", "128", "--lr", "1e-3", "--split", "train[:80]"]  # fmt: skip
@@ -36,8 +37,8 @@ def settings(assets: dict, *flags: str):
 
 def build(settings, world: int = 1, restored=None):
     """model.build_model and its optimizer, on CPU in fp32: (trainee, optimizer)."""
-    from backend import get_backend
-    from model import adamw, build_model
+    from runtime.backend import get_backend
+    from training.model import adamw, build_model
 
     trainee = build_model(settings, get_backend("cpu"), "float32", world, restored)
     return trainee, adamw(trainee, settings)
@@ -67,12 +68,13 @@ def run(settings, rank: int = 0, world: int = 1, epochs: int | None = None, on_s
     step. Returns (trainee, final RunState). Needs an initialised process group."""
     import json
 
-    import stopping
     import torch
-    from checkpoints import ShardedCheckpointer
-    from objectives import training_data
-    from recipe import Schedule
-    from training_run import Hooks, Progress, TrainingRun, resumed_state
+
+    from training import stopping
+    from training.checkpoints import ShardedCheckpointer
+    from training.objectives import training_data
+    from training.recipe import Schedule
+    from training.training_run import Hooks, Progress, TrainingRun, resumed_state
 
     torch.manual_seed(settings.seed)
     if settings.sharded_checkpoints:
@@ -175,7 +177,7 @@ class StepRecorder:
         self.losses, self.grad_norms = [], []
 
     def __call__(self, step: int, result) -> None:
-        from step import global_sum
+        from training.step import global_sum
 
         (loss_sum,) = global_sum(float(result.loss_sum))
         self.losses.append(loss_sum / float(result.counts[0]))  # (the step's count is global already)
@@ -212,15 +214,16 @@ def train_each(configs: list, world: int, then=None) -> list:
 def notice_preemption(deadline_s: float | None) -> None:
     """What Ray Train's PreemptionWatcher does to a worker when a node of its group drains
     (ray/train/v2/_internal/execution/worker_group/worker.py, mark_preempt): a PreemptionInfo in the worker's
-    train context, which jobs/stopping.py reads. None clears it. No Ray Train restarts the group here, so the
+    train context, which jobs/training/stopping.py reads. None clears it. No Ray Train restarts the group here, so the
     wait after the save gives up at the deadline (stopping.RESTART_MARGIN_S 0)."""
     import time
     import types
 
-    import stopping
     from ray.train.v2._internal.execution.context import set_train_context
     from ray.train.v2._internal.execution.preemption import PreemptionContext
     from ray.train.v2.api.preemption import PreemptionInfo
+
+    from training import stopping
 
     if deadline_s is None:
         set_train_context(None)
@@ -260,9 +263,10 @@ def latest_checkpoint(root: str) -> str:
 
 def _attempts_main(rank: int, world: int, rendezvous: str, config, plan: list[dict], out: str) -> None:
     """The attempts of `plan` one after the other on this rank, as Ray Train's restarts would run them."""
-    import stopping
     import torch
     import torch.distributed as dist
+
+    from training import stopping
 
     _join(rank, world, rendezvous)
     results = []

@@ -1,14 +1,14 @@
-"""The records of a split rendered in this process and memory, as the preparation renders them (jobs/prepare.py
+"""The records of a split rendered in this process and memory, as the preparation renders them (jobs/data/prepare.py
 writes the same to files): for tests that look at a record's tokens and labels."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prepare import bad_records, chunk_row, plan_chunks, render_chunk, split_report
-from recipe import IGNORE
-from render import require_chat_template
-from sft_data import Source, load_splits
+from data.labels import IGNORE
+from data.prepare import bad_records, chunk_row, plan_chunks, render_chunk, split_report
+from data.render import require_chat_template
+from data.sft_data import Source, load_splits
 
 
 @dataclass

@@ -8,7 +8,9 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import pyarrow.fs
-from checkpoints import STATE_FILE, committer, uri
+
+from runtime.storage import uri
+from training.checkpoints import STATE_FILE, committer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,10 +77,11 @@ def test_a_backend_that_cannot_stage_falls_back_to_a_synchronous_save(tiny_asset
     and it loads back into a fresh model and optimizer exactly."""
     import torch
     import torch.distributed as dist
-    from checkpoints import ShardedCheckpointer
-    from model import TokenLoss, apply_fsdp, freeze_per_layer_embeddings, load_model
     from torch.distributed.checkpoint.staging import DefaultStager
     from torch.distributed.device_mesh import init_device_mesh
+
+    from training.checkpoints import ShardedCheckpointer
+    from training.model import TokenLoss, apply_fsdp, freeze_per_layer_embeddings, load_model
 
     def cannot_stage(self, state_dict, **kwargs):
         raise RuntimeError("cannot copy these tensors to the CPU")
@@ -124,11 +127,11 @@ def test_a_walkthrough_checkpoint_restores_its_weights_and_epoch(tiny_assets, tm
     restarted from it builds its model from those weights and goes on after its epoch."""
     import pyarrow.fs
     import ray.train
-    import ray_train_llm_finetune as ft
     import torch
-    from checkpoints import ShardedCheckpointer, export_pretrained, write_state
 
     from tests.inprocess import build, settings
+    from training.checkpoints import ShardedCheckpointer, export_pretrained, write_state
+    from training.worker_hooks import resume
 
     config = settings(tiny_assets, "--recipe", "walkthrough", "--lr", "1e-2")
     trainee, optimizer = build(config)
@@ -143,7 +146,7 @@ def test_a_walkthrough_checkpoint_restores_its_weights_and_epoch(tiny_assets, tm
     restored = ray.train.Checkpoint(directory)
     resumed, again_optimizer = build(config, restored=restored)
     again = resumed.model
-    state = ft.resume(restored, ShardedCheckpointer(again, again_optimizer, 0), str(tmp_path), 0, 1)
+    state = resume(restored, ShardedCheckpointer(again, again_optimizer, 0), str(tmp_path), 0, 1)
     assert (state.epoch, state.step, state.attempt, state.history) == (1, 6, 2, ({"epoch": 1},))
     for (name, trained), restarted in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
         assert torch.equal(whole(trained), whole(restarted)), name

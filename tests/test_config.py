@@ -49,10 +49,9 @@ def test_derived_values(generation, topology):
 
 
 def test_the_jobs_and_the_stack_read_one_tpu_table():
-    """The TPU facts live in jobs/tpu_generations.py; the stack's slice is derived from that same table, and the
+    """The TPU facts live in jobs/runtime/tpu_generations.py; the stack's slice is derived from that same table, and the
     fine-tune's worker count from it agrees with the slice's devices."""
-    from settings import FinetuneSettings, worker_count
-
+    from config.settings import FinetuneSettings, worker_count
     from infra import tpu
     from infra.job_modules import tpu_generations
 
@@ -374,9 +373,9 @@ GOOD_JOB_VALUES = {
 @pytest.mark.parametrize("name", GOOD_JOB_VALUES)
 def test_values_the_config_accepts_the_jobs_accept(name):
     """What passes validation reaches the fine-tune's own parser intact, and `datasets` parses the split."""
-    from command_line import parse_args
     from datasets import ReadInstruction
 
+    from config.command_line import parse_args
     from infra.runner.ray_jobs import job_specs
     from infra.training import training_settings
 

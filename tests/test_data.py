@@ -48,8 +48,7 @@ FORMATS = {  # name: (file, records, extra flags, the assistant answers of one r
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_each_format_trains_on_the_assistant_turns_and_their_end_of_turn(name, tiny_assets, tmp_path, gloo_rank):
-    from recipe import IGNORE
-
+    from data.labels import IGNORE
     from tests.records import prepare_docs
 
     file, records, flags, answers = FORMATS[name]
@@ -70,6 +69,7 @@ def test_each_format_trains_on_the_assistant_turns_and_their_end_of_turn(name, t
 
 def finetune_main(tiny_assets, tmp_path, dataset: str, *flags: str) -> tuple[int, str]:
     import ray
+
     import ray_train_llm_finetune as ft
 
     argv = ["--backend", "cpu", "--num-workers", "1", "--model", tiny_assets["model"], "--dataset", dataset,
@@ -129,7 +129,7 @@ def test_every_bad_record_and_line_is_named_in_one_run_by_the_line_it_is_on(tiny
 
 
 def test_a_file_line_counts_the_lines_that_hold_no_record():
-    from sft_data import FileRecords
+    from data.sft_data import FileRecords
 
     lines = FileRecords("a.jsonl", 5, skipped=(1, 4, 5))  # records on lines 2, 3, 6, 7, 8
     assert [lines.line(i) for i in range(5)] == [2, 3, 6, 7, 8]
@@ -139,7 +139,7 @@ def test_a_file_line_counts_the_lines_that_hold_no_record():
 def test_your_own_small_file_trains_with_the_default_splits(tiny_assets, tmp_path, gloo_rank):
     """No --split, no --eval-split: all 200 records of the file, its last 13 (1/16) held out and not trained on."""
     import ray_train_llm_finetune as ft
-    from command_line import from_args, parse_args
+    from config.command_line import from_args, parse_args
 
     data = write(tmp_path / "own.jsonl", [PAIR, {"prompt": "Describe bees.", "completion": "Bees are warm."}] * 100)
     argv = ["--backend", "cpu", "--num-workers", "1", "--model", tiny_assets["model"], "--dataset", data,
@@ -154,8 +154,8 @@ def test_your_own_small_file_trains_with_the_default_splits(tiny_assets, tmp_pat
 
 
 def test_the_default_held_out_records_follow_the_training_slice_or_end_it():
-    from outcome import JobInputError
-    from sft_data import default_eval
+    from data.sft_data import default_eval
+    from runtime.outcome import JobInputError
 
     dolly = {"train": 15011}
     assert default_eval([("train", 0, 1024)], dolly) == ([("train", 0, 1024)], [("train", 1024, 1088)])
@@ -201,8 +201,9 @@ def test_a_gs_dataset_is_read_end_to_end_with_the_pods_credentials(
     import tempfile
 
     import fsspec
+
     import ray_train_llm_finetune as ft
-    from command_line import from_args, parse_args
+    from config.command_line import from_args, parse_args
 
     gs = fsspec.filesystem("gs")
     gs.pipe("gs://demo-data/chat/part-0.jsonl", (json.dumps(CONVERSATION) + "\n").encode() * 12)

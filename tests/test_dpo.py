@@ -1,4 +1,4 @@
-"""DPO (jobs/dpo.py, jobs/preference_data.py): pairs tokenized as TRL's DPOTrainer tokenizes them, bad records named
+"""DPO (jobs/training/dpo.py, jobs/data/preference_data.py): pairs tokenized as TRL's DPOTrainer tokenizes them, bad records named
 by file and line, the loss invariant to how a global batch of pairs is split, and the same losses and reward
 accuracies as TRL's DPOTrainer (trl 1.16.0) step for step on the tiny model."""
 
@@ -28,9 +28,9 @@ def preference_records(dataset: str, n: int, conversational: bool) -> list[dict]
 
 def test_bad_preference_records_are_named_by_file_and_line(tiny_assets, tmp_path):
     """Every bad pair and every line that is not a record, in one message, by the line an editor shows."""
-    from outcome import JobInputError
-    from preference_data import read_pairs
-    from render import load_tokenizer
+    from data.preference_data import read_pairs
+    from data.render import load_tokenizer
+    from runtime.outcome import JobInputError
 
     good = preference_records(tiny_assets["dataset"], 4, conversational=False)
     bad = [{"prompt": "q", "chosen": "same", "rejected": "same"}, {"prompt": "q", "chosen": "a"},
@@ -52,8 +52,8 @@ def test_bad_preference_records_are_named_by_file_and_line(tiny_assets, tmp_path
         f"  {path}, line 5: chosen is empty",
         f'  {path}, line 6: not JSON (Expecting value): \'{{"prompt": "q", "chosen":\'',
     ]
-    from preference_data import preference_record
-    from render import RecordError
+    from data.preference_data import preference_record
+    from data.render import RecordError
 
     with pytest.raises(RecordError, match="mixes text and turns"):
         preference_record(bad[3])
@@ -64,7 +64,8 @@ def test_each_rows_log_probability_chunked_equals_the_whole_logits(softcap):
     """chunked_loss.row_log_probs: N positions at a time, recomputed in the backward pass, against autograd through
     the whole logits (a soft-cap small enough to bend them), values and gradients."""
     import torch
-    from chunked_loss import row_log_probs
+
+    from training.chunked_loss import row_log_probs
 
     torch.manual_seed(0)
     hidden = torch.randn(4, 9, 6, dtype=torch.float64, requires_grad=True)
@@ -88,9 +89,10 @@ def trl_trainer(model_dir: str, records: list[dict], out, seq_len: int, lr: floa
                 batch: int):  # fmt: skip
     """TRL's DPOTrainer on the tiny model, its per-layer table frozen as the job freezes it."""
     from datasets import Dataset
-    from model import freeze_per_layer_embeddings, load_model
-    from render import load_tokenizer
     from trl import DPOConfig, DPOTrainer
+
+    from data.render import load_tokenizer
+    from training.model import freeze_per_layer_embeddings, load_model
 
     model = load_model(model_dir, "float32")
     freeze_per_layer_embeddings(model)
@@ -107,8 +109,8 @@ def trl_trainer(model_dir: str, records: list[dict], out, seq_len: int, lr: floa
 def test_standard_and_implicit_prompt_pairs_are_tokenized_as_trl_tokenizes_them(tiny_assets, tmp_path):
     """Strings without the chat template (TRL's standard format: raw text, EOS appended) and whole conversations
     with no prompt column (TRL's extract_prompt): the same prompt, chosen and rejected ids as TRL's DPOTrainer."""
-    from preference_data import Pair, preference_record, tokenize_pair
-    from render import load_tokenizer
+    from data.preference_data import Pair, preference_record, tokenize_pair
+    from data.render import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_assets["model"])
     standard = preference_records(tiny_assets["dataset"], 4, conversational=False)
@@ -127,8 +129,9 @@ def our_steps(trainee, optimizer, pairs, seq_len: int, lr: float, beta: float, l
     """STEPS optimizer steps of dpo.dpo_step over the whole of `pairs` as one global batch (this rank's share in
     `splits` micro-batches): the loss and TRL's metrics of each."""
     import numpy as np
-    from dpo import METRICS, dpo_step, pair_log_probs
-    from preference_data import pair_rows
+
+    from data.preference_data import pair_rows
+    from training.dpo import METRICS, dpo_step, pair_log_probs
 
     pad = trainee.tokenizer.pad_token_id
     ref_chosen, ref_rejected = pair_log_probs(trainee.loss, pairs, seq_len, pad, 4, rank, world, "cpu")
@@ -156,7 +159,7 @@ def test_dpo_equals_trls_dpo_trainer_step_for_step(tiny_assets, tmp_path, gloo_r
     """8 pairs as one global batch, 3 steps, AdamW at a constant 1e-3, clipping at 1.0: the same tokens (prompt
     masked, the same trained positions), reference log-probabilities, losses, reward accuracies and gradient norms
     as TRL's DPOTrainer (which computes its reference log-probabilities once too: precompute_ref_log_probs)."""
-    from preference_data import Pair, preference_record, tokenize_pair
+    from data.preference_data import Pair, preference_record, tokenize_pair
 
     records = preference_records(tiny_assets["dataset"], 8, conversational=True)
     seq_len, lr, beta = 96, 1e-3, 0.1
@@ -182,8 +185,8 @@ def test_dpo_equals_trls_dpo_trainer_step_for_step(tiny_assets, tmp_path, gloo_r
 def _dpo_rank_main(rank: int, world: int, rendezvous: str, assets: dict, splits: int, flags: tuple, out: str) -> None:
     import torch
     import torch.distributed as dist
-    from preference_data import preference_record, tokenize_pair
 
+    from data.preference_data import preference_record, tokenize_pair
     from tests.inprocess import _join
 
     _join(rank, world, rendezvous)
@@ -239,7 +242,7 @@ def test_a_dpo_run_resumes_exactly_and_reads_its_reference_back(tiny_assets, tmp
                for h in history)  # fmt: skip
     assert history[-1]["rewards/accuracies"] > 0.5
     run(config, epochs=1, root=str(tmp_path / "parts"))
-    from objectives import training_data
+    from training.objectives import training_data
 
     data = training_data(config, whole.tokenizer, 0, 1)
     reference = data.reference_uri("float32")
@@ -278,9 +281,8 @@ def test_with_lora_the_reference_is_the_base_with_the_adapters_off(tiny_assets, 
     model's: the first step's rewards are exactly 0 and its loss log 2; the adapters then learn the preferences."""
     import math
 
-    from dpo import METRICS
-
     from tests.inprocess import run
+    from training.dpo import METRICS
 
     steps = []
     _, state = run(dpo_settings(tiny_assets, "--lora", "--lr", "1e-2", "--eval-split", "none"),
@@ -299,8 +301,8 @@ def test_the_held_out_pairs_are_scored_before_and_after(tiny_assets, tmp_path, g
     import math
 
     import pyarrow.fs
-    from evaluation import BeforeAfter, Plan
 
+    from evaluation.before_after import BeforeAfter, Plan
     from tests.inprocess import run
 
     config = dpo_settings(tiny_assets, "--split", "train[:48]")
@@ -338,7 +340,7 @@ def test_sigterm_mid_epoch_saves_the_next_step_and_a_dpo_run_goes_on_to_the_same
 
 def test_a_pairs_epoch_counts_two_rows_a_pair():
     """The epoch's throughput figures: a DPO global batch of 8 pairs is 16 padded rows (chosen and rejected)."""
-    from ray_train_llm_finetune import epoch_metrics
+    from training.worker_hooks import epoch_metrics
 
     trained = {
         "loss": 0.6,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.raycluster import ray_cluster_manifest
+from infra.resources.raycluster import ray_cluster_manifest
 from tests.crd_schema import load_schema, validate
 from tests.stack_harness import PROJECT_NUMBER, parse_as_cli, run_program, stack_config
 from tests.test_raycluster import IMAGE, cfg_for
@@ -97,7 +97,7 @@ def test_spot_on_a_control_plane_too_old_for_its_grace_is_refused():
 
 
 def test_the_pods_prestop_hook_drains_their_ray_node():
-    from infra import stop_hook
+    from infra.resources import stop_hook
 
     spec = worker_spec(run_program("tpu7x", stack_config("tpu7x")))
     command = spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
@@ -112,7 +112,7 @@ def test_the_drain_uses_the_flags_of_the_pinned_ray_cli():
     from click.testing import CliRunner
     from ray.scripts.scripts import cli
 
-    from infra import stop_hook
+    from infra.resources import stop_hook
 
     help_text = CliRunner().invoke(cli, ["drain-node", "--help"]).output
     for flag in ("--address", "--node-id", "--reason", "--reason-message", "--deadline-remaining-seconds"):

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from outcome import RESULT_PREFIX
 
 from infra.runner.ray_jobs import parse_result
+from runtime.outcome import RESULT_PREFIX
 
 JOBS = Path(__file__).resolve().parent.parent / "jobs"
 
@@ -31,8 +31,8 @@ def test_collectives_fail_on_a_broken_reference(gloo_rank, capsys):
     """A rank's check against a reference drawn from another seed: parity broken, the job's verdict FAIL
     and exit status 1 (the passing check runs for real in the README's commands below)."""
     import ray_core_collectives as job
-    from backend import get_backend
-    from outcome import exit_code
+    from runtime.backend import get_backend
+    from runtime.outcome import exit_code
 
     args = vars(job.parse_args(["--backend", "cpu", "--num-workers", "1", "--reference-seed", "7"]))
     result = job.check_rank(get_backend("cpu"), 0, 1, args)
@@ -306,10 +306,11 @@ def test_finetune_bad_inputs_fail_fast(tiny_assets, tmp_path, capsys):
 def test_fsdp_shards_each_decoder_layer_and_the_root_but_not_the_frozen_table(tiny_assets, gloo_rank):
     """apply_fsdp on a one-rank gloo group: which modules are FSDP units, which parameters became
     DTensors, in which dtypes, and that gradients are summed over ranks, not averaged."""
-    from model import TokenLoss, apply_fsdp, freeze_per_layer_embeddings, language_model, load_model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
+
+    from training.model import TokenLoss, apply_fsdp, freeze_per_layer_embeddings, language_model, load_model
 
     model = load_model(tiny_assets["model"], "bfloat16")
     table = freeze_per_layer_embeddings(model)
@@ -356,7 +357,7 @@ def stale_ray_tmpdir():
 
 
 def test_a_stale_address_file_is_no_cluster(stale_ray_tmpdir, monkeypatch):
-    import backend
+    from runtime import backend
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_TMPDIR", str(stale_ray_tmpdir))
@@ -366,7 +367,7 @@ def test_a_stale_address_file_is_no_cluster(stale_ray_tmpdir, monkeypatch):
 
 
 def test_a_live_address_file_is_joined(ray_head, stale_ray_tmpdir, monkeypatch):
-    import backend
+    from runtime import backend
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_TMPDIR", str(stale_ray_tmpdir))

@@ -52,8 +52,8 @@ def test_each_job_module_is_loaded_once_under_one_name():
     """The stack and the jobs share the settings table, the TPU table and the memory plan: one module each, not
     `settings` and `jobs.settings` side by side (two tables)."""
     done = fresh_python(
-        "import sys, infra.config, infra.models, infra.prices, infra.training, ray_train_llm_finetune, settings, "
-        "tpu_generations, infra.tpu; "
+        "import sys, infra.config, infra.models, infra.prices, infra.training, ray_train_llm_finetune; "
+        "from config import settings; from runtime import tpu_generations; import infra.tpu; "
         "print(sorted(m for m in sys.modules if m == 'jobs' or m.startswith('jobs.'))); "
         "print(infra.config.settings is settings, infra.tpu.GENERATIONS is tpu_generations.GENERATIONS)"
     )
@@ -183,8 +183,8 @@ def test_every_component_takes_a_name_typed_args_and_options():
     import pulumi
 
     components = []
-    for path in sorted((ROOT / "infra").glob("*.py")):
-        module = importlib.import_module(f"infra.{path.stem}")
+    for path in sorted((ROOT / "infra").rglob("*.py")):
+        module = importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
         components += [c for c in vars(module).values() if inspect.isclass(c) and c.__module__ == module.__name__
                        and issubclass(c, pulumi.ComponentResource)]  # fmt: skip
     assert len(components) >= 7
@@ -202,14 +202,13 @@ def test_every_torch_tpu_name_is_called_from_one_module_that_says_where_it_read_
 
     import infra.job_modules  # noqa: F401  (the one door: jobs/ on the path)
 
-    torch_tpu_api = importlib.import_module("torch_tpu_api")
+    torch_tpu_api = importlib.import_module("runtime.torch_tpu_api")
 
-    others = [p for p in (ROOT / "jobs").glob("*.py") if p.name != "torch_tpu_api.py"] + list(
-        ROOT.glob("infra/**/*.py")
-    )
+    api = ROOT / "jobs" / "runtime" / "torch_tpu_api.py"
+    others = [p for p in (ROOT / "jobs").rglob("*.py") if p != api] + list(ROOT.glob("infra/**/*.py"))
     assert [p.name for p in others if any(m.split(".")[0] == "torch_tpu" for m in imported_modules(p))] == []
-    called = {m for m in imported_modules(ROOT / "jobs" / "torch_tpu_api.py") if m.split(".")[0] == "torch_tpu"}
+    called = {m for m in imported_modules(api) if m.split(".")[0] == "torch_tpu"}
     called -= {m.rsplit(".", 1)[0] for m in called if m.count(".") > 1}  # a `from X import Y`'s X
-    source = (ROOT / "jobs" / "torch_tpu_api.py").read_text()
+    source = api.read_text()
     assert called <= set(torch_tpu_api.READ_IN) and all(name.rsplit(".", 1)[-1] in source.split("READ_IN")[-1]
                                                         for name in torch_tpu_api.READ_IN)  # fmt: skip

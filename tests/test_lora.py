@@ -34,7 +34,7 @@ def adapters(state: dict) -> dict:
 def test_lora_trains_few_parameters_and_resumes_exactly_from_adapter_only_checkpoints(tiny_assets, tmp_path, gloo_rank):
     import json
 
-    from lora import trainable_and_total
+    from training.lora import trainable_and_total
 
     config = settings(tiny_assets, "--lora", "--lora-rank", "2", "--lora-alpha", "4", "--epochs", "2",
                       "--eval-split", "none", "--lr", "1e-2")  # fmt: skip
@@ -62,8 +62,9 @@ def test_lora_trains_few_parameters_and_resumes_exactly_from_adapter_only_checkp
 
 def test_the_merged_export_loads_without_peft_and_equals_base_plus_adapters(tiny_assets, tmp_path, gloo_rank):
     import pyarrow.fs
-    from checkpoints import export_pretrained
     from transformers import AutoModelForCausalLM
+
+    from training.checkpoints import export_pretrained
 
     config = settings(
         tiny_assets, "--lora", "--lora-rank", "2", "--epochs", "1", "--eval-split", "none", "--lr", "1e-2"
@@ -94,7 +95,7 @@ def test_the_merged_export_loads_without_peft_and_equals_base_plus_adapters(tiny
 def count_layer_calls(model) -> list[int]:
     """Calls of the first decoder layer's MLP. (transformers checkpoints a layer's `forward`, keeping FSDP2's
     hooks on the layer itself outside the recomputation: its children run again, not the layer's hooks.)"""
-    from model import language_model
+    from training.model import language_model
 
     calls = [0]
     language_model(model).layers[0].mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
@@ -102,10 +103,9 @@ def count_layer_calls(model) -> list[int]:
 
 
 def test_activation_checkpointing_recomputes_each_layer_and_keeps_the_losses(tiny_assets, gloo_rank):
-    from sft_data import model_inputs
-    from step import TrainingData
-
+    from data.sft_data import model_inputs
     from tests.inprocess import build
+    from training.step import TrainingData
 
     losses, calls = {}, {}
     for ac in (False, True):
@@ -133,7 +133,7 @@ def tiny_moe(tiny_assets, tmp_path_factory):
 
 
 def test_a_mixture_of_experts_trains_under_fsdp_and_lora_leaves_its_experts(tiny_moe, gloo_rank):
-    from lora import trainable_and_total
+    from training.lora import trainable_and_total
 
     config = settings(tiny_moe, "--eval-split", "none", "--epochs", "2", "--lr", "1e-2")
     trainee, history = train(config)

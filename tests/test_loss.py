@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from recipe import IGNORE, token_loss_sum
 
+from data.labels import IGNORE
 from tests.inprocess import settings
+from training.recipe import token_loss_sum
 
 VOCAB, HIDDEN = 500, 16
 
@@ -82,13 +83,13 @@ def ours_and_theirs(assets: dict, *flags: str) -> tuple[dict, dict]:
     """One training step's first micro-batch through the fine-tune's model (model.build_model: FSDP2, the
     TokenLoss forward) and through the plain Hugging Face model's own forward (full logits, its soft-cap,
     its loss): ({"loss": ..., gradient name: ...}, the same for transformers)."""
-    from model import freeze_per_layer_embeddings
-    from recipe import predicted_tokens
-    from sft_data import model_inputs
-    from step import TrainingData
     from transformers import AutoModelForCausalLM
 
+    from data.labels import predicted_tokens
+    from data.sft_data import model_inputs
     from tests.inprocess import build
+    from training.model import freeze_per_layer_embeddings
+    from training.step import TrainingData
 
     config = settings(assets, "--eval-split", "none", *flags)
     trainee, _ = build(config)
@@ -153,7 +154,7 @@ def test_the_tiny_e2b_shares_its_kv_like_e2b(tiny_e2b):
 
 
 def test_peak_memory_is_this_processs_high_water_mark_and_resets():
-    from backend import get_backend
+    from runtime.backend import get_backend
 
     cpu = get_backend("cpu")
     cpu.reset_peak_memory()

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 import pytest
-from memory_plan import GIB, HEADROOM, Workload, plan, remedy, shape_of
 
 from infra.models import MODELS, known_model
 from infra.tpu import GENERATIONS, TpuSlice
+from runtime.memory_plan import GIB, HEADROOM, Workload, plan, remedy, shape_of
 
 
 def layer_types(layers: int, every: int) -> list[str]:

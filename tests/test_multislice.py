@@ -67,10 +67,9 @@ def test_standard_mode_makes_a_node_pool_per_slice_each_placed_as_a_slice(two):
 
 
 def test_the_tpu_group_holds_a_replica_per_slice_and_the_jobs_are_told(two):
-    from command_line import from_args, parse_args
-    from ray_core_collectives import parse_args as collectives_args
-
+    from config.command_line import from_args, parse_args
     from infra.runner.ray_jobs import job_specs
+    from ray_core_collectives import parse_args as collectives_args
 
     worker = two.one("kubernetes:ray.io/v1:RayCluster").inputs["spec"]["workerGroupSpecs"][0]
     assert worker["replicas"] == 2 and worker["numOfHosts"] == HOSTS[two.stack]
@@ -165,7 +164,8 @@ def test_ray_train_counts_as_many_slices_as_the_stack_declares(two, monkeypatch)
     (ray.util.tpu.get_tpu_num_slices_for_workers), counting devices a chip from RAY_TPU_RESOURCE_PER_CHIP
     in its own process: the head's env must carry it on Ironwood, or 32 workers on 2x2x2 would be 4 slices."""
     from ray.util.tpu import get_tpu_num_slices_for_workers
-    from settings import from_dict, worker_count
+
+    from config.settings import from_dict, worker_count
 
     spec = two.one("kubernetes:ray.io/v1:RayCluster").inputs["spec"]
     head_env = {e["name"]: e.get("value") for e in spec["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]}

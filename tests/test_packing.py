@@ -6,9 +6,10 @@ import os
 
 import pytest
 import torch
-from recipe import IGNORE
-from render import conversation, render_text, tokenize
-from sft_data import model_inputs, pack_rows, packed_examples, padded_examples
+
+from data.labels import IGNORE
+from data.render import conversation, render_text, tokenize
+from data.sft_data import model_inputs, pack_rows, packed_examples, padded_examples
 
 SEQ = 32
 IDS = [[2, 10 + i] + [20 + i] * n for i, n in enumerate([3, 28, 9, 14, 1, 30, 5, 11, 7, 18])]
@@ -100,8 +101,9 @@ def test_a_record_in_a_packed_row_sees_only_itself(attention, tiny, tiny_assets)
 
 def test_packed_rows_keep_their_masks_without_asking_the_device_whether_they_are_packed(tiny, monkeypatch):
     """model.packed_masks_without_host_reads: one document or several, a row's logits are transformers' own."""
-    from model import packed_masks_without_host_reads
     from transformers import masking_utils
+
+    from training.model import packed_masks_without_host_reads
 
     model, tokenizer = tiny
     docs = walkthrough_docs([{"instruction": "Explain bees.", "response": "Bees are warm and early."}] * 3, tokenizer)
@@ -148,7 +150,7 @@ def test_padded_rows_are_the_walkthroughs(tiny):
 
 
 def test_flops_formula_on_a_known_config():
-    from utilisation import AttentionLayer, causal_context, model_flops_per_token
+    from runtime.utilisation import AttentionLayer, causal_context, model_flops_per_token
 
     assert causal_context(8, None) == 4.5  # (1 + ... + 8) / 8
     assert causal_context(8, 2) == (1 + 2 * 7) / 8  # the first query sees 1 key, the rest 2
@@ -159,7 +161,7 @@ def test_flops_formula_on_a_known_config():
 
 
 def test_describe_counts_the_matmuls_of_gemma4(tiny):
-    from utilisation import AttentionLayer, describe
+    from runtime.utilisation import AttentionLayer, describe
 
     model, tokenizer = tiny
     text = model.config.get_text_config()
@@ -183,8 +185,8 @@ def test_describe_counts_the_matmuls_of_gemma4(tiny):
 
 
 def test_walkthrough_flags_are_accepted(monkeypatch, capsys):
-    from command_line import from_args, parse_args
-    from settings import check, worker_count
+    from config.command_line import from_args, parse_args
+    from config.settings import check, worker_count
 
     monkeypatch.setenv("STORAGE_PATH", "gs://b/ray_train_torchtpu")
     args = parse_args(
@@ -208,10 +210,11 @@ def test_walkthrough_flags_are_accepted(monkeypatch, capsys):
 def test_peak_flops_per_device_and_mfu():
     from dataclasses import replace
 
-    import ray_train_llm_finetune as ft
+    from config.command_line import from_args, parse_args
+    from training.worker_hooks import peak_flops_per_device
 
-    base = ft.from_args(ft.parse_args(["--backend", "tpu", "--accelerator-type", "TPU-V6E"]))
-    assert ft.peak_flops_per_device(base) == 918e12
-    assert ft.peak_flops_per_device(replace(base, accelerator_type="TPU-V7X")) == 2307e12 / 2
-    assert ft.peak_flops_per_device(replace(base, backend="cpu")) is None
-    assert ft.peak_flops_per_device(replace(base, backend="cpu", peak_tflops=2.0)) == 2e12
+    base = from_args(parse_args(["--backend", "tpu", "--accelerator-type", "TPU-V6E"]))
+    assert peak_flops_per_device(base) == 918e12
+    assert peak_flops_per_device(replace(base, accelerator_type="TPU-V7X")) == 2307e12 / 2
+    assert peak_flops_per_device(replace(base, backend="cpu")) is None
+    assert peak_flops_per_device(replace(base, backend="cpu", peak_tflops=2.0)) == 2e12

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra import stop_hook
+from infra.resources import stop_hook
 from tests.ray_nodes import RayNodes
 
 JOBS = Path(__file__).resolve().parent.parent / "jobs"
@@ -108,7 +108,7 @@ def test_the_drained_run_exports_the_weights_of_a_straight_one(drained, tiny_ass
 
 def test_without_a_raylet_the_hook_falls_back_to_sigterm_for_the_training_workers(tmp_path):
     """A pod whose raylet cannot be found (or drained): its RayTrainWorker processes are sent SIGTERM, which
-    the training turns into save-and-stop (jobs/stopping.py), and the hook returns once they have ended."""
+    the training turns into save-and-stop (jobs/training/stopping.py), and the hook returns once they have ended."""
     worker = subprocess.Popen(
         [stop_hook.WORKER_TITLE.decode(), "-c",
          "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); time.sleep(60)"],

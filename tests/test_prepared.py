@@ -1,4 +1,4 @@
-"""The data prepared once (jobs/prepared.py): the same rows the in-memory path made, found again under
+"""The data prepared once (jobs/data/prepared.py): the same rows the in-memory path made, found again under
 the same key and made again when anything that shapes them changes, every bad record named."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ DOLLY = {"instruction": "Describe bees.", "context": "", "response": "Bees are w
 
 
 def tokenizer_of(assets: dict):
-    from render import load_tokenizer
+    from data.render import load_tokenizer
 
     return load_tokenizer(settings(assets).tokenizer_ref)
 
@@ -28,10 +28,9 @@ def tokenizer_of(assets: dict):
 def test_the_prepared_rows_are_the_rows_the_records_make_in_memory(tiny_assets, tmp_path, flags):
     """Row for row, the four tensors sft_data.examples makes from every record rendered in memory: the
     sampler's order is a function of (seed, epoch) over the same rows, so a run trains the same weights."""
-    from prepare import prepare
-    from prepared import PreparedRows, local_directory
-    from sft_data import examples
-
+    from data.prepare import prepare
+    from data.prepared import PreparedRows, local_directory
+    from data.sft_data import examples
     from tests.records import prepare_docs
 
     config = replace(settings(tiny_assets, "--eval-split", "train[80:96]", *flags), storage_path=str(tmp_path))
@@ -49,7 +48,7 @@ def test_the_prepared_rows_are_the_rows_the_records_make_in_memory(tiny_assets, 
 
 
 def test_a_second_preparation_reuses_the_first_and_any_change_makes_a_new_one(tiny_assets, tmp_path, monkeypatch):
-    import prepare as prepared
+    from data import prepare as prepared
 
     config = replace(settings(tiny_assets), storage_path=str(tmp_path))
     tokenizer = tokenizer_of(tiny_assets)
@@ -104,8 +103,8 @@ def test_prepared_in_gs_is_copied_once_to_the_machine_and_read_the_same(storage,
     emulator, with the pods' credentials) and reads the same rows as from a local preparation."""
     import tempfile
 
-    from prepare import prepare
-    from prepared import PreparedRows, local_directory
+    from data.prepare import prepare
+    from data.prepared import PreparedRows, local_directory
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "machine"))
     (tmp_path / "machine").mkdir()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.raycluster import RayClusterSpec, ray_cluster_manifest
+from infra.resources.raycluster import RayClusterSpec, ray_cluster_manifest
 from tests.crd_schema import load_schema, validate
 from tests.stack_harness import parse_as_cli
 
@@ -26,7 +26,7 @@ def cfg_for(generation: str, topology: str, **raw) -> RayClusterSpec:
                           service_account=cfg.service_account)  # fmt: skip
 
 
-STOP_HOOK_SOURCE = (Path(__file__).resolve().parent.parent / "infra" / "stop_hook.py").read_text()
+STOP_HOOK_SOURCE = (Path(__file__).resolve().parent.parent / "infra" / "resources" / "stop_hook.py").read_text()
 
 
 def walkthrough_manifest(group, hosts, memory, shm, accelerator, topology, ironwood):
@@ -136,7 +136,7 @@ def test_scale_to_zero_leaves_the_replicas_to_the_job_resource(flavour):
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_by_default_the_head_offers_three_cpus_to_the_data_preparation(flavour):
     """The walkthrough's head runs no Ray work (num-cpus 0); by default three of its four CPUs prepare the
-    data (jobs/prepared.py) before the slice is asked for. Nothing else in the manifest changes."""
+    data (jobs/data/prepared.py) before the slice is asked for. Nothing else in the manifest changes."""
     cfg, walkthrough = FLAVOURS[flavour]
     assert parse_as_cli({}).head_cpus == 3
     expected = copy.deepcopy(walkthrough)
@@ -174,7 +174,7 @@ def test_ray_version_is_the_image_pin_and_the_local_one():
     import re
 
     from infra import ROOT
-    from infra.raycluster import ray_version
+    from infra.resources.raycluster import ray_version
 
     local = re.search(r"^ray\[[a-z,]+\]==(\S+)$", (ROOT / "requirements.txt").read_text(), re.MULTILINE).group(1)
     assert ray_version() == local == "2.60.0"

@@ -41,7 +41,7 @@ def test_one_step_is_one_global_batch_however_the_batch_is_split(tiny_assets):
 
 
 def test_the_schedule_warms_up_then_decays_to_a_tenth():
-    from recipe import Schedule, lr_at, warmup_steps
+    from training.recipe import Schedule, lr_at, warmup_steps
 
     schedule = Schedule(lr=1e-3, lr_schedule="cosine", warmup_ratio=0.1, total_steps=100)
     lrs = [schedule.at(s) for s in range(100)]
@@ -56,10 +56,10 @@ def test_the_schedule_warms_up_then_decays_to_a_tenth():
 
 def test_the_eval_loss_is_token_weighted_and_leaves_the_weights_untouched(tiny_assets, gloo_rank):
     """evaluate() against every predicted token's -log p from a plain copy of the model's own logits."""
-    from step import TrainingData, evaluate
     from transformers import AutoModelForCausalLM
 
     from tests.inprocess import full_state
+    from training.step import TrainingData, evaluate
 
     config = settings(tiny_assets, "--eval-split", "train[80:96]", "--epochs", "1")
     trainee, history = train(config)
@@ -89,8 +89,8 @@ def test_the_eval_loss_is_token_weighted_and_leaves_the_weights_untouched(tiny_a
 
 
 def test_the_walkthrough_recipe_restores_every_default_and_single_flags_still_win():
-    from command_line import from_args, parse_args
-    from settings import check
+    from config.command_line import from_args, parse_args
+    from config.settings import check
 
     walk = from_args(parse_args(["--recipe", "walkthrough"]))
     assert {k: getattr(walk, k) for k in ("packing", "sharded_checkpoints", "chat_template", "prompt_loss", "lr_schedule",
@@ -100,7 +100,7 @@ def test_the_walkthrough_recipe_restores_every_default_and_single_flags_still_wi
         "lr_schedule": "constant", "warmup_ratio": 0.0, "max_grad_norm": 0.0, "eval_split": "none",
         "loss_chunk": 0, "grad_accum": 1, "save_every": 0, "eval_every": 0, "eval_samples": 0, "max_steps": 0,
     }  # fmt: skip
-    from outcome import JobInputError
+    from runtime.outcome import JobInputError
 
     full = from_args(parse_args(["--no-sharded-checkpoints", "--backend", "cpu", "--num-workers", "1"]))
     assert (full.save_every, full.eval_every) == (0, 500)  # the default recipe with full checkpoints
@@ -154,9 +154,10 @@ def test_bad_recipe_flags_fail_before_any_worker(case, tiny_assets, tmp_path, ca
 
 def test_progress_puts_tensorboard_in_the_run_storage_and_keeps_no_local_copy(gloo_rank, tmp_path):
     import pyarrow.fs
-    from run_files import TensorBoard
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from training_run import Progress, Sums
+
+    from runtime.run_files import TensorBoard
+    from training.training_run import Progress, Sums
 
     board = TensorBoard(pyarrow.fs.LocalFileSystem(), str(tmp_path / "run" / "tensorboard"))
     local = Path(board.writer.log_dir)
@@ -192,10 +193,10 @@ def test_no_step_reads_the_device_between_progress_lines(tiny_assets, gloo_rank)
 
 def test_the_learning_rate_as_a_device_tensor_trains_as_the_float_did(tiny_assets, gloo_rank, monkeypatch):
     """Fused AdamW with a tensor rate written each step, against torch's default AdamW with the float rate."""
-    import model
     import torch
 
     from tests.inprocess import StepRecorder, run
+    from training import model
 
     config = settings(tiny_assets, "--max-steps", "6", "--eval-every", "0", "--save-every", "0", "--batch-size", "2")
     tensor = StepRecorder()
@@ -260,9 +261,10 @@ def test_on_tpu_the_program_cache_misses_are_counted_where_torch_tpu_keeps_them(
     from types import SimpleNamespace
 
     import torch
-    from command_line import from_args, parse_args
-    from model import compile_counts
-    from training_run import Progress, Sums
+
+    from config.command_line import from_args, parse_args
+    from training.model import compile_counts
+    from training.training_run import Progress, Sums
 
     tpu = from_args(parse_args([]))  # the default backend: tpu
     misses = iter([5, 7])
@@ -272,6 +274,6 @@ def test_on_tpu_the_program_cache_misses_are_counted_where_torch_tpu_keeps_them(
     monkeypatch.setattr(torch, "tpu", SimpleNamespace(), raising=False)
     assert compile_counts(tpu) == {}
     printed = []
-    monkeypatch.setattr("training_run.worker_print", printed.append)
+    monkeypatch.setattr("training.training_run.worker_print", printed.append)
     Progress(every=1, total_steps=2, rank=0).line(2, Sums(4.0, 2.0, 2.0, 1, 1.0), 0.1, 1.0, {"program_cache_misses": 2})
     assert printed[0].endswith("  program cache misses 2")

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from recipe import IGNORE
-from render import conversation, end_of_turn_id, render, render_chat, tokenize
-from sft_data import packed_examples, padded_examples
+
+from data.labels import IGNORE
+from data.render import conversation, end_of_turn_id, render, render_chat, tokenize
+from data.sft_data import packed_examples, padded_examples
 
 DOLLY = {"instruction": "Describe bees.", "context": "Bees live in hives.", "response": "Bees are warm."}
 
@@ -97,10 +98,10 @@ def test_the_exported_model_stops_generating_at_the_end_of_its_turn(tiny_assets,
     """Trained on one short answer in the chat template, exported, reloaded without any of this code:
     given the prompt through its chat template, it says the answer and stops at `<turn|>`."""
     import pyarrow.fs
-    from checkpoints import export_pretrained
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.inprocess import settings, train
+    from training.checkpoints import export_pretrained
 
     data = tmp_path / "qa.jsonl"
     data.write_text((json.dumps({"prompt": "Describe bees.", "completion": "Bees are warm and early."}) + "\n") * 8)
@@ -123,8 +124,8 @@ def test_the_exported_model_stops_generating_at_the_end_of_its_turn(tiny_assets,
 
 
 def test_the_closing_summary_says_where_the_model_is_how_it_learned_and_what_the_slice_held():
-    from command_line import from_args, parse_args
-    from log_lines import closing_summary, devices_used
+    from config.command_line import from_args, parse_args
+    from runtime.log_lines import closing_summary, devices_used
 
     history = [{"epoch": 1, "loss": 2.5, "eval_loss": 2.25}, {"epoch": 2, "loss": 2.0, "eval_loss": None}]
     result = {"run_name": "r", "checkpoint": "gs://b/r/model", "history": history, "loss_curve": "gs://b/r/loss.png",
@@ -144,8 +145,9 @@ def test_ray_trains_line_for_every_report_is_quieted_in_the_workers():
     import inspect
     import logging
 
-    from log_lines import quiet_ray_reports
     from ray.train.v2._internal.execution import context
+
+    from runtime.log_lines import quiet_ray_reports
 
     assert "Reporting training result" in inspect.getsource(context.TrainContext._wait_then_report)
     assert "logger.info(" in inspect.getsource(context.TrainContext._wait_then_report)
@@ -159,7 +161,7 @@ def test_ray_trains_line_for_every_report_is_quieted_in_the_workers():
 
 
 def test_a_log_line_holds_one_line_and_marks_what_it_cut():
-    from log_lines import one_line
+    from runtime.log_lines import one_line
 
     assert one_line("short\nanswer", 20) == "short answer"
     assert one_line("word " * 50, 20) == "word word word word…" and len(one_line("word " * 50, 20)) == 20

@@ -1,4 +1,4 @@
-"""The fine-tune's settings, declared once (jobs/settings.py): the command line gives back what it was given, every
+"""The fine-tune's settings, declared once (jobs/config/settings.py): the command line gives back what it was given, every
 stack key reaches the job under its setting's name, a value the job refuses is refused at preview naming its key,
 and Pulumi.yaml's job keys are current and a valid Pulumi project file."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from command_line import from_args, parse_args, to_argv
-from settings import SETTINGS, FinetuneSettings, declared, stack_keys, value_type
 
+from config.command_line import from_args, parse_args, to_argv
+from config.settings import SETTINGS, FinetuneSettings, declared, stack_keys, value_type
 from infra import PULUMI_YAML, ROOT
 from infra.config import ConfigError
 from infra.config_reader import key
@@ -108,8 +108,8 @@ def test_a_value_past_a_declared_bound_is_refused_at_preview_naming_its_key(name
 
 
 def test_the_job_refuses_the_same_values_naming_its_flags():
-    from outcome import JobInputError
-    from settings import check
+    from config.settings import check
+    from runtime.outcome import JobInputError
 
     with pytest.raises(JobInputError) as err:
         check(from_args(parse_args(["--warmup-ratio", "1.5", "--max-grad-norm", "-1", "--backend", "cpu"])))
@@ -135,7 +135,8 @@ def test_the_optimizer_takes_the_weight_decay_setting():
     from types import SimpleNamespace
 
     import torch
-    from model import adamw
+
+    from training.model import adamw
 
     s = replace(from_args(parse_args(["--backend", "cpu", "--num-workers", "1"])), weight_decay=0.05, lr=3e-4)
     group = adamw(SimpleNamespace(model=torch.nn.Linear(2, 2)), s).param_groups[0]
@@ -190,17 +191,17 @@ def test_every_default_is_its_declared_type_as_the_cli_reads_it():
 
 
 def test_the_learning_rates_default_is_written_once():
-    """In the code (the docs and the tests aside): jobs/settings.py declares it; Pulumi.yaml is written from it."""
+    """In the code (the docs and the tests aside): jobs/config/settings.py declares it; Pulumi.yaml is written from it."""
     code = [ROOT / "__main__.py", ROOT / "Makefile", *(p for d in ("jobs", "infra", "bench", ".ci")
                                                          for p in sorted((ROOT / d).rglob("*")) if p.is_file() and p.suffix != ".pyc")]  # fmt: skip
     found = [str(p.relative_to(ROOT)) for p in code if re.search(r"\b2e-0?5\b", p.read_text(errors="replace"))]
-    assert found == ["jobs/settings.py"]
+    assert found == ["jobs/config/settings.py"]
     assert yaml.safe_load(PULUMI_YAML.read_text())["config"]["learningRate"]["default"] == "2e-05"
 
 
 def test_the_job_checks_every_number_and_names_tpu_flags_its_backend_ignores(capsys):
-    from outcome import JobInputError
-    from settings import check
+    from config.settings import check
+    from runtime.outcome import JobInputError
 
     with pytest.raises(JobInputError, match="--lr -0.001 must be greater than 0"):
         check(from_args(parse_args(["--lr=-1e-3", "--backend", "cpu", "--num-workers", "2"])))

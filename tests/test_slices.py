@@ -15,7 +15,7 @@ FLAGS = ("--num-workers", "4", "--batch-size", "1", "--max-steps", "4", "--eval-
 def _collectives_rank(rank: int, world: int) -> dict:
     """One rank of the collectives check on two "slices" of two."""
     import ray_core_collectives as job
-    from backend import get_backend
+    from runtime.backend import get_backend
 
     args = vars(job.parse_args(["--backend", "cpu", "--num-workers", str(world), "--num-slices", "2"]))
     return job.check_rank(get_backend("cpu"), rank, world, args | {"reference_seed": 42})
@@ -41,8 +41,8 @@ def test_two_slices_of_two_train_what_one_slice_of_four_does(layouts):
 
 
 def test_the_slices_must_divide_the_workers_before_any_starts(tiny_assets):
-    from outcome import JobInputError
-    from settings import check, worker_count
+    from config.settings import check, worker_count
+    from runtime.outcome import JobInputError
 
     assert worker_count(check(settings(tiny_assets, "--num-workers", "4", "--num-slices", "2"))) == 4
     with pytest.raises(JobInputError, match=r"--num-slices 3 does not divide --num-workers 4.*one of 1, 2, 4"):
@@ -71,9 +71,10 @@ def test_the_collectives_check_covers_each_slice_and_the_network_between_them(la
 
 
 def test_each_collectives_worker_gets_the_multislice_variables_ray_train_gives_the_fine_tune():
-    import ray_core_collectives as job
     from ray._private.accelerators.tpu import DEFAULT_MEGASCALE_PORT
     from ray.util.tpu import get_tpu_coordinator_env_vars
+
+    import ray_core_collectives as job
 
     assert str(job.MEGASCALE_PORT) == DEFAULT_MEGASCALE_PORT
     ray_train = get_tpu_coordinator_env_vars(f"host-0:{DEFAULT_MEGASCALE_PORT}", 2, 1)

@@ -241,7 +241,7 @@ def test_training_jobs_resource(run):
     assert training["image"].endswith("@" + DIGEST)
     assert len(training["code"]) == 64
     topology, accelerator = {"v6e": ("4x4", "TPU-V6E"), "tpu7x": ("2x2x2", "TPU-V7X")}[run.stack]
-    assert training["settings"] == {  # the fine-tune's settings (jobs/settings.py) but maxFailures and the unset
+    assert training["settings"] == {  # the fine-tune's settings (jobs/config/settings.py) but maxFailures and the unset
         "recipe": "default", "model": "google/gemma-4-E2B-it", "dataset": "databricks/databricks-dolly-15k",
         "split": "train[:1024]", "eval_split": "auto", "eval_tasks": "heldout", "eval_limit": 64, "objective": "sft", "dpo_beta": 0.1, "dpo_loss": "sigmoid", "overlong": "truncate",
         "epochs": 3, "batch_size": 4, "grad_accum": 1, "seq_len": 512,
@@ -315,12 +315,11 @@ def test_specific_reservation(mode):
 def test_the_recipe_reaches_the_fine_tune_as_its_flags(stack, recipe):
     """`recipe: walkthrough` is the walkthrough's every default; the fine-tune, parsing the flags the
     job resource passes it, ends with exactly the stack's settings; maxFailures is passed on."""
-    from command_line import from_args
-    from command_line import parse_args as ft_parse_args
-    from ray_core_collectives import parse_args as collectives_parse_args
-    from settings import RECIPE_SETTINGS, recipe_values
-
+    from config.command_line import from_args
+    from config.command_line import parse_args as ft_parse_args
+    from config.settings import RECIPE_SETTINGS, recipe_values
     from infra.runner.ray_jobs import job_specs
+    from ray_core_collectives import parse_args as collectives_parse_args
 
     walkthrough = recipe == "walkthrough"
     flags = {"recipe": recipe, "maxFailures": "0"} if walkthrough else {}
@@ -357,8 +356,7 @@ def test_a_single_key_overrides_its_recipe():
 def test_a_dataset_file_is_uploaded_under_its_content_hash_and_read_by_the_job(mode, tmp_path):
     import hashlib
 
-    from command_line import parse_args
-
+    from config.command_line import parse_args
     from infra.runner.ray_jobs import base_id, job_specs
 
     data = tmp_path / "my-data.jsonl"
@@ -424,8 +422,7 @@ def test_objective_dpo_previews_with_two_rows_a_pair_in_its_memory_plan_and_pric
     """objective: dpo on the v6e stack: the plan holds two sequences a record (chosen and rejected), the price two
     padded rows a pair and the reference pass, and the job is sent --objective dpo with its beta and loss; with
     the walkthrough's Dolly as its data it is refused at preview."""
-    from command_line import from_args, parse_args
-
+    from config.command_line import from_args, parse_args
     from infra.config import ConfigError
     from infra.prices import training_minutes
     from tests.stack_harness import parse_as_cli
@@ -463,8 +460,7 @@ def test_31b_on_v6e_is_refused_with_its_advice_then_accepted_with_activation_che
                                            lora="true"))  # fmt: skip
     settings = both.one("pulumi-python:dynamic:Resource", "training").inputs["settings"]
     assert (settings["lora"], settings["activation_checkpointing"], settings["lora_rank"]) == (True, True, 16)
-    from command_line import from_args, parse_args
-
+    from config.command_line import from_args, parse_args
     from infra.runner.ray_jobs import job_specs
 
     args = from_args(parse_args(list(job_specs(settings, 3)[1].args)))
@@ -475,3 +471,15 @@ def test_31b_on_v6e_is_refused_with_its_advice_then_accepted_with_activation_che
         32,
     )
     assert run_program("tpu7x", stack_config("tpu7x", model="google/gemma-4-31B-it")).outputs["memoryPlan"]["fits"]
+
+
+def test_a_misspelt_key_is_refused_at_preview_naming_the_key_it_meant():
+    """`pulumi config set lerningRate 1e-3` reaches the program as gemma-tpu:lerningRate beside the declared
+    learningRate's default: refused before any resource, naming learningRate, on both stacks."""
+    from infra.config import ConfigError
+
+    for stack in ("v6e", "tpu7x"):
+        with pytest.raises(ConfigError) as err:
+            run_program(stack, stack_config(stack, lerningRate="1e-3"))
+        assert "gemma-tpu:lerningRate: not a key this project reads; did you mean learningRate?" in str(err.value)
+        assert {r.type for r in run_program.last_registered} <= {"pulumi:pulumi:Stack"}

@@ -81,8 +81,9 @@ def test_a_restart_keeps_the_answers_up_to_its_step_and_refuses_a_checkpoint_wit
     import json
 
     import pyarrow.fs
-    from run_files import SampleLog, last_samples
-    from training_run import resumed_state
+
+    from runtime.run_files import SampleLog, last_samples
+    from training.training_run import resumed_state
 
     path = tmp_path / "samples.jsonl"
     answer = {"prompt": "p", "completion": "c", "reference": "r"}

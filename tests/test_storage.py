@@ -48,7 +48,7 @@ def test_the_run_stops_before_any_work_when_the_pods_get_no_token(metadata, stor
 
 
 def test_with_credentials_the_check_writes_reads_and_deletes_through_both_clients(storage, metadata_server):
-    from storage import probe
+    from runtime.storage import probe
 
     asked = len(metadata_server.requests)
     probe("gs://demo-data/runs/r1")
@@ -59,17 +59,16 @@ def test_with_credentials_the_check_writes_reads_and_deletes_through_both_client
 def test_a_model_on_gs_an_earlier_runs_export_is_copied_down_once_and_loads(storage, metadata_server,
                                                                             tiny_assets, tmp_path):  # fmt: skip
     """DPO's usual start, `model: gs://.../<sft run>/model`: the directory copied to this machine once (a second
-    load reuses the copy), then loaded as a local one; a gs:// directory without a model named, not a traceback;
-    the stack accepts the URI."""
+    load reuses the copy), then loaded as a local one, and copied again once it is written again; a gs://
+    directory without a model named, not a traceback; the stack accepts the URI."""
     import filecmp
 
-    from command_line import for_this_machine, from_args, parse_args
-    from model import load_model
-    from outcome import JobInputError
-    from render import load_tokenizer
-    from storage import gcs, model_directory
-
+    from config.command_line import for_this_machine, from_args, parse_args
+    from data.render import load_tokenizer
     from infra.config_checks import is_model_ref
+    from runtime.outcome import JobInputError
+    from runtime.storage import gcs, model_directory
+    from training.model import load_model
 
     run = f"gs://demo-data/runs/sft-{tmp_path.name}"
     gcs().put(f"{tiny_assets['model']}/", f"{run}/model/", recursive=True)
@@ -79,13 +78,20 @@ def test_a_model_on_gs_an_earlier_runs_export_is_copied_down_once_and_loads(stor
     assert load_model(f"{run}/model", "float32").config.model_type == load_model(tiny_assets["model"]).config.model_type
     with pytest.raises(JobInputError, match="holds no model .* give the directory an earlier run exported"):
         model_directory(f"{run}/nothing")
+    # the same URI written again (a run name used twice): copied again, not read from the older copy
+    generation = json.loads(Path(local, "generation_config.json").read_text()) | {"eos_token_id": 1}
+    with gcs().open(f"{run}/model/generation_config.json", "w") as f:
+        f.write(json.dumps(generation))
+    again = model_directory(f"{run}/model")
+    assert again != local and json.loads(Path(again, "generation_config.json").read_text())["eos_token_id"] == 1
     settings = for_this_machine(from_args(parse_args(["--model", f"{run}/model", "--backend", "cpu"])))
     assert settings.model == f"{run}/model" and is_model_ref(settings.model)
 
 
 def test_gcsfs_is_pinned_to_google_credentials_and_pyarrow_gives_up_in_a_minute():
     import pyarrow.fs
-    from storage import RETRY_S, checkpoint_writer_options, filesystem, fsspec_options, gcs, ray_storage
+
+    from runtime.storage import RETRY_S, checkpoint_writer_options, filesystem, fsspec_options, gcs, ray_storage
 
     assert RETRY_S == 60 and gcs().credentials.method == "google_default"
     assert fsspec_options("gs://b/p") == {"token": "google_default"} and fsspec_options("/tmp/p") == {}
@@ -102,10 +108,10 @@ def test_gcsfs_is_pinned_to_google_credentials_and_pyarrow_gives_up_in_a_minute(
 def test_a_sharded_checkpoint_on_gs_is_written_by_several_threads_and_loads_back(storage, tiny_assets, gloo_rank):
     """DCP's writer gets the thread count: this rank's shard is CHECKPOINT_THREADS files, all read back."""
     import torch
-    from checkpoints import ShardedCheckpointer
-    from storage import CHECKPOINT_THREADS
 
+    from runtime.storage import CHECKPOINT_THREADS
     from tests.inprocess import build, settings
+    from training.checkpoints import ShardedCheckpointer
 
     trainee, optimizer = build(settings(tiny_assets))
     checkpointer = ShardedCheckpointer(trainee.model, optimizer, 0, use_async=False)
@@ -124,9 +130,8 @@ def test_a_sharded_checkpoint_on_gs_is_written_by_several_threads_and_loads_back
 
 def test_the_job_resource_names_the_stack_s_serviceaccount_and_principal(monkeypatch):
     """A failed storage check reaches `pulumi up` with whom the stack granted the bucket to."""
-    from storage import PROBE_FAILED
-
     from infra.runner import ray_jobs
+    from runtime.storage import PROBE_FAILED
 
     identity = {"namespace": "ml", "service_account": "ray-pods", "bucket": "p-v6e-checkpoints",
                 "principal": "principal://iam.googleapis.com/projects/1/.../subject/ns/ml/sa/ray-pods"}  # fmt: skip

@@ -327,7 +327,7 @@ def test_code_hash_follows_the_uploaded_job_code(tmp_path):
     before = ray_jobs.jobs_code_hash(jobs)
     (jobs / "tiny_assets.py").write_text("# not uploaded, so not part of a run's definition\n")
     assert ray_jobs.jobs_code_hash(jobs) == before
-    with (jobs / "backend.py").open("a") as f:
+    with (jobs / "runtime" / "backend.py").open("a") as f:
         f.write("# an edit\n")
     assert ray_jobs.jobs_code_hash(jobs) != before
 

@@ -59,7 +59,7 @@ class JobSpec:
 
 
 def job_specs(settings: dict, max_failures: int, collectives_workers: int | None = None) -> list[JobSpec]:
-    """The collectives check, then the fine-tune: its settings (jobs/settings.py) as its own command line, and
+    """The collectives check, then the fine-tune: its settings (jobs/config/settings.py) as its own command line, and
     their placement as the check's (with its own worker count off TPU)."""
     finetune = job_settings.from_dict(settings | {"max_failures": max_failures})
     return [

@@ -1,0 +1,133 @@
+"""The prepared data, read back (jobs/data/prepare.py makes it): where it is (Prepared), its files on this machine's
+disk, a split's rows memory-mapped and read by index (PreparedRows: a rank reads only the rows its sampler gives
+it), and the data report of what the run will train on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+from data.labels import IGNORE
+from data.sft_data import row_tensors
+from runtime.outcome import JobInputError
+from runtime.storage import filesystem
+
+SPLITS = ("train", "eval")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    uri: str  # <storage>/prepared/<key>
+    report: dict  # the data report: what was read, used, truncated, dropped; rows per split
+    reused: bool
+
+
+def local_directory(uri: str) -> str:
+    """The prepared files on this machine's disk: in place for a local path, else copied once per machine
+    (every rank of a host shares the copy; a lock lets one copy while the others wait)."""
+    import fcntl
+
+    import pyarrow.fs
+
+    fs, path = filesystem(uri)
+    if isinstance(fs, pyarrow.fs.LocalFileSystem):
+        return path
+    local = os.path.join(tempfile.gettempdir(), f"prepared-{os.path.basename(path)}")
+    with open(f"{local}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(local):
+            partial = f"{local}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            for split in SPLITS:
+                os.makedirs(os.path.join(partial, split))
+            pyarrow.fs.copy_files(path, partial, source_filesystem=fs)
+            os.rename(partial, local)
+    return local
+
+
+class PreparedRows:
+    """One split's rows, read by index from memory-mapped files: each row's four tensors made when asked
+    for, by sft_data.row_tensors."""
+
+    def __init__(self, directory: str, split: str, seq_len: int, pad_id: int, packing: bool, left: bool = False):
+        import numpy as np
+
+        folder = os.path.join(directory, split)
+        counts = json.loads(open(os.path.join(folder, "chunks.json")).read())
+        self.tokens = [np.load(os.path.join(folder, f"{i:05d}.tokens.npy"), mmap_mode="r") for i in range(len(counts))]
+        self.trained = [
+            np.load(os.path.join(folder, f"{i:05d}.trained.npy"), mmap_mode="r") for i in range(len(counts))
+        ]
+        lengths = [np.load(os.path.join(folder, f"{i:05d}.lengths.npy")) for i in range(len(counts))]
+        self.chunk_of = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+        self.start = np.concatenate([np.concatenate([[0], np.cumsum(n)[:-1]]) for n in lengths]).astype(np.int64)
+        self.length = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int32)
+        self.rows = np.load(os.path.join(folder, "rows.npy"), mmap_mode="r")
+        self.offsets = np.load(os.path.join(folder, "row_offsets.npy"))
+        self.seq_len, self.pad_id, self.packing, self.left = seq_len, pad_id, packing, left
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def record(self, i: int):
+        chunk, start = self.chunk_of[i], self.start[i]
+        end = start + self.length[i]
+        return self.tokens[chunk][start:end], self.trained[chunk][start:end]
+
+    def __getitem__(self, row: int):
+        import numpy as np
+
+        records = []
+        for i in self.rows[self.offsets[row] : self.offsets[row + 1]]:
+            ids, trained = self.record(i)
+            records.append((ids, np.where(trained, ids, IGNORE)))
+        return row_tensors(records, self.seq_len, self.pad_id, self.packing, self.left)
+
+
+def data_report(settings, prepared: Prepared, workers: int) -> dict:
+    """What the run will train on (prepared.report) and its steps; fails if the data does not fill one
+    global batch."""
+    rows, needed = prepared.report["train_rows"], workers * settings.batch_size * settings.grad_accum
+    if rows < needed:
+        kind = "pairs" if settings.objective == "dpo" else "packed rows" if settings.packing else "records"
+        raise JobInputError(f"{rows} {kind} are fewer than one global batch ({workers} workers x "
+                            f"{settings.batch_size} rows x {settings.grad_accum} accumulation = {needed})")  # fmt: skip
+    return {
+        "objective": settings.objective,
+        "dataset": settings.dataset,
+        "split": settings.split,
+        "eval_split": settings.eval_split,
+        "chat_template": settings.chat_template,
+        "overlong": settings.overlong,
+        "train_records": prepared.report["train_records"],
+        "eval_records": prepared.report["eval_records"],
+        "train": prepared.report["train"],
+        "eval": prepared.report["eval"],
+        "train_rows": rows,
+        "steps_per_epoch": rows // needed,
+        "prepared": prepared.uri,
+        "prepared_reused": prepared.reused,
+    }
+
+
+def print_data_report(report: dict) -> None:
+    t = report["train"]
+    print(
+        f"data: {t['records_read']} training records ({t['format']}) from {report['dataset']} "
+        f"({report['split']}: {report['train_records']}), "
+        f"{t['records_used']} used ({t['truncated']} truncated, {t['dropped']} dropped at --seq-len); "
+        f"{t['tokens']:,} tokens, {t['predicted_share']:.1%} of them trained on; longest "
+        f"{t['longest_record_tokens']} tokens ({t['longest_record']}); {report['train_rows']} "
+        f"{'pairs (not packed)' if report.get('objective') == 'dpo' else 'rows'}, "
+        f"{report['steps_per_epoch']} steps an epoch",
+        flush=True,
+    )
+    e = report["eval"]
+    print(f"eval: {e['records_used']} held-out records ({report['eval_split']}: {report['eval_records']}, not "
+          f"trained on), {e['predicted_tokens']:,} tokens scored" if e else "eval: none", flush=True)  # fmt: skip
+    print(f"prepared data: {report['prepared']} ({'reused' if report['prepared_reused'] else 'made now'})",
+          flush=True)  # fmt: skip

@@ -1,0 +1,382 @@
+"""Before and after: the base model and the fine-tune scored with lm-evaluation-harness, on the user's held-out
+records and on lm-eval tasks by name (--eval-tasks heldout,gsm8k).
+
+- **The held-out tasks** are made by the driver from the held-out records (the eval split): each prompt is the
+  conversation up to its last assistant turn in the model's chat template (with the generation prompt), its
+  reference that turn's text. `heldout` generates the answers (greedy, up to the samples' length, stopped at
+  the end of turn): exact_match (lm-eval's), ROUGE-L F1 (rouge_score, an lm-eval dependency) and chrF
+  (lm-eval's). `heldout_loss` scores the references' log-likelihood, per answer token (with the end of turn, as
+  trained). Both are written into the run (`<run>/heldout/`: the records, the two YAMLs, `heldout_utils.py`),
+  so an export can be re-scored anywhere with lm-eval's own Hugging Face backend:
+
+      lm_eval --model hf --model_args pretrained=<run>/model --include_path <run>/heldout --tasks heldout,heldout_loss
+
+- **lm-eval tasks by name** are scored as `lm_eval --tasks NAME --limit {eval_limit}` scores them, in the chat
+  template where the run trains in it (--apply_chat_template); their data comes from the Hub as lm-eval fetches
+  it. The names are checked against the installed lm-eval's index before anything starts (eval_tasks.py).
+- **In the job** every task runs through lm-eval's `HFLM` over the job's own model: lm-eval takes an
+  already-built model as a single process (models/huggingface.py: rank 0 of 1), so every rank scores every
+  request in the same order and the FSDP forward passes stay in lockstep; rank 0 keeps the scores. With LoRA the
+  adapters are live in the forward: the merged export's function, up to rounding. The base model is scored
+  before the first step, the fine-tune after the last, on the same requests; a resumed run reads the base scores
+  back from its state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+from config.eval_tasks import HELDOUT, HELDOUT_TASKS, named, parse
+from data.labels import IGNORE
+from runtime.log_lines import evaluation_table
+from training.samples import NEW_TOKENS
+
+TASK, LOSS_TASK = HELDOUT_TASKS
+TASK_DIR = "heldout"
+PAIRS_TASK = "heldout_pairs"  # a DPO run's held-out pairs: how often the chosen answer is the likelier
+EVALUATION_FILE = "evaluation.json"
+
+
+def rouge_l(references: list[str], predictions: list[str]) -> float:
+    """ROUGE-L F1 of one answer against its reference (rouge_score, stemmed): lm-eval calls it per document."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    return scorer.score(references[0], predictions[0])["rougeL"].fmeasure
+
+
+def answer_loss(doc: dict, results: list) -> dict:
+    """heldout_loss's per-document result: the reference answer's log-likelihood and its token count."""
+    loglikelihood, _ = results[0]
+    return {"loss": (loglikelihood, doc["answer_tokens"])}
+
+
+def per_token(items: list) -> float:
+    """The answers' loss per token (nats): as the job's held-out loss, on the answer tokens alone."""
+    return -sum(ll for ll, _ in items) / max(1, sum(n for _, n in items))
+
+
+def _records_task(task: str, records_file: str, output_type: str) -> dict:
+    """What both held-out tasks share: the records file (heldout.jsonl) as their one test split, prompt first."""
+    return {"task": task, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": records_file}},
+            "test_split": "test", "output_type": output_type, "doc_to_text": "{{prompt}}"}  # fmt: skip
+
+
+def task_config(records_file: str, stop: str | None, stop_ids: list[int]) -> dict:
+    """heldout: the answers generated, as heldout.yaml holds it (the ROUGE-L metric named there as !function).
+    Answers are as long as the samples' and end at the chat template's end of turn (`stop`; Gemma 4's
+    `<turn|>`): generate() is given its id beside EOS (`stop_ids`, render.stop_token_ids), so every row ends
+    there whatever the scored directory's generation config says (the job's model, an export, a base)."""
+    return _records_task(TASK, records_file, "generate_until") | {
+        "doc_to_target": "{{reference}}",
+        "generation_kwargs": {
+            "until": [stop] if stop else [],
+            "do_sample": False,
+            "max_gen_toks": NEW_TOKENS,
+            "eos_token_id": stop_ids,
+        },
+        "metric_list": [
+            {"metric": "exact_match", "aggregation": "mean", "higher_is_better": True},
+            {"metric": "rouge_l", "aggregation": "mean", "higher_is_better": True},
+            {"metric": "chrf"},
+        ],
+        "metadata": {"version": 1},
+    }
+
+
+def loss_task_config(records_file: str, stop: str | None) -> dict:
+    """heldout_loss: the reference answers' log-likelihood given their prompts (with the end of turn, as trained),
+    per answer token."""
+    return _records_task(LOSS_TASK, records_file, "loglikelihood") | {
+        "doc_to_target": "{{reference}}" + (stop or ""),
+        "target_delimiter": "",
+        "process_results": "answer_loss",
+        "metric_list": [{"metric": "loss", "aggregation": "per_token", "higher_is_better": False}],
+        "metadata": {"version": 1},
+    }
+
+
+def task_yaml(config: dict) -> str:
+    """A task config as YAML, its functions named as `!function heldout_utils.<name>`."""
+    import yaml
+
+    text = yaml.safe_dump(config, sort_keys=False, width=math.inf)  # a path on one line: rescore.py replaces it
+    for name in ("rouge_l", "answer_loss", "per_token"):
+        text = re.sub(rf"(: ){name}$", rf"\1!function heldout_utils.{name}", text, flags=re.M)
+    return text
+
+
+def held_out_docs(settings, tokenizer) -> list[dict]:
+    """The held-out records as prompt/reference pairs (the prompt in the chat template, up to the model's turn),
+    each with its answer's token count as lm-eval splits it (the pair encoded whole, less the prompt)."""
+    from data.render import conversation, detect_format, user_text
+    from data.sft_data import load_splits
+
+    _, held_out, loaded = load_splits(settings)
+    stop, docs = end_of_turn(tokenizer) or "", []
+    for name, start, stop_at in held_out:
+        data = loaded[name].data.rename_columns(
+            {o: n for o, n in settings.column_renames.items() if o in loaded[name].data.column_names}
+        )
+        fmt = detect_format(data.column_names)
+        for record in data.select(range(start, stop_at)):
+            turns = conversation(record, fmt)
+            last = max(i for i, t in enumerate(turns) if t["role"] == "assistant")
+            messages = [{"role": t["role"], "content": user_text(t)} for t in turns[:last]]  # (Dolly's context too)
+            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            reference = turns[last]["content"]
+            whole, asked = (
+                len(tokenizer.encode(t, add_special_tokens=False)) for t in (prompt + reference + stop, prompt)
+            )
+            docs.append({"prompt": prompt, "reference": reference, "answer_tokens": whole - asked})
+    return docs[: settings.eval_limit or None]
+
+
+def write_task(settings, tokenizer, run_dir: str) -> str | None:
+    """The held-out tasks written into `run_dir` (a local path or gs:// URI); their directory, or None when the
+    run has no held-out records or does not ask for them."""
+    from data.render import stop_token_ids
+    from runtime.storage import filesystem
+
+    if HELDOUT not in parse(settings.eval_tasks) or not settings.chat_template or settings.objective == "dpo":
+        return None  # (a DPO run's held-out pairs are scored at each eval: their preference accuracy)
+    docs = held_out_docs(settings, tokenizer)
+    if not docs:
+        return None
+    directory = f"{run_dir.rstrip('/')}/{TASK_DIR}"
+    fs, base = filesystem(directory)
+    fs.create_dir(base, recursive=True)
+    records, stop = f"{directory}/{TASK}.jsonl", end_of_turn(tokenizer)
+    files = {
+        f"{TASK}.jsonl": "".join(json.dumps(d) + "\n" for d in docs),
+        f"{TASK}.yaml": task_yaml(task_config(records, stop, stop_token_ids(tokenizer))),
+        f"{LOSS_TASK}.yaml": task_yaml(loss_task_config(records, stop)),
+        "heldout_utils.py": "# written by jobs/evaluation/before_after.py: the held-out tasks' metrics\n"
+        + "".join(_source(f) for f in (rouge_l, answer_loss, per_token)),
+    }
+    for name, text in files.items():
+        with fs.open_output_stream(f"{base}/{name}") as f:
+            f.write(text.encode())
+    return directory
+
+
+def end_of_turn(tokenizer) -> str | None:
+    """The text of the token an assistant turn ends with (render.end_of_turn_id), or None."""
+    from data.render import end_of_turn_id
+
+    token = end_of_turn_id(tokenizer)
+    return None if token is None else tokenizer.convert_ids_to_tokens(token)
+
+
+def _source(function) -> str:
+    import inspect
+
+    return "\n\n" + inspect.getsource(function)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What is scored: the held-out tasks' directory (local or gs://; None: not asked or no held-out records),
+    lm-eval tasks by name (in the chat template where the run trains in it), `limit` documents of each."""
+
+    task_dir: str | None
+    named: tuple[str, ...]
+    chat_template: bool
+    limit: int | None
+    base_model: str = ""  # the model the run starts from (rescore.py --base)
+    pairs: bool = False  # a DPO run's held-out pairs (dpo.held_out_scores), as the task heldout_pairs
+    include_path: str | None = None  # task YAMLs to look in besides lm-eval's own (lm_eval --include_path)
+
+    @classmethod
+    def of(cls, settings, task_dir: str | None) -> Plan | None:
+        pairs = settings.objective == "dpo" and settings.eval_split != "none" and bool(parse(settings.eval_tasks))
+        plan = cls(task_dir, named(settings.eval_tasks), bool(settings.chat_template), settings.eval_limit or None,
+                   settings.model, pairs)  # fmt: skip
+        return plan if plan.task_dir or plan.named or plan.pairs else None
+
+    def commands(self) -> list[str]:
+        """How to score an export as the job did: the project's command (jobs/rescore.py, which also copies a gs://
+        run down), then lm-eval's own command lines with its Hugging Face backend."""
+        model = "lm_eval --model hf --model_args pretrained=<run>/model --batch_size 8"
+        commands = ["python jobs/rescore.py <run>"]
+        if self.task_dir:
+            commands.append(f"{model} --include_path <run>/{TASK_DIR} --tasks {','.join(HELDOUT_TASKS)}")
+        if self.named:
+            limit = f" --limit {self.limit}" if self.limit else ""
+            template = " --apply_chat_template" if self.chat_template else ""
+            commands.append(f"{model} --tasks {','.join(self.named)}{limit}{template}")
+        return commands
+
+
+def score(trainee, plan: Plan, batch_size: int) -> dict[str, dict]:
+    """Each task's metrics for the model as it is now, on every rank in lockstep (rank 0's are kept; {} on the
+    others): {task: {"metrics": {name: value}, "samples": documents scored, "version": the task's}}."""
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    root = trainee.loss
+    was_training = root.training
+    root.eval()
+    with torch.no_grad():  # FSDP2 picks its root at the first forward: the root's, before lm-eval calls the layers'
+        pad = torch.tensor([[trainee.tokenizer.pad_token_id] * 2], device=next(root.parameters()).device)
+        root(input_ids=pad, labels=torch.full_like(pad, IGNORE))
+    root.unshard()  # the root's own parameters (embeddings, final norm, tied head), as samples.answer does
+    try:
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            model = HFLM(pretrained=trainee.model, tokenizer=trainee.tokenizer, batch_size=batch_size)
+            scores = {}
+            if plan.task_dir:  # the prompts are in the chat template already
+                scores |= _evaluate(model, list(HELDOUT_TASKS), task_manager(_local(plan.task_dir)), False, None)
+            if plan.named:
+                scores |= _evaluate(model, list(plan.named), task_manager(plan.include_path, named=True),
+                                    plan.chat_template, plan.limit)  # fmt: skip
+    finally:
+        root.reshard()
+        root.train(was_training)
+    return scores
+
+
+def task_manager(include_path: str | None, named: bool = False):
+    """lm-eval's task index: the held-out tasks' own directory alone, or with lm-eval's built-in tasks when tasks
+    are named (indexing those ~14,700 YAML files takes seconds of CPU each time: 5.5 s here)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path, include_defaults=named)
+
+
+def _evaluate(model, tasks: list[str], manager, chat_template: bool, limit: int | None) -> dict:
+    import lm_eval
+
+    results = lm_eval.simple_evaluate(
+        model=model, tasks=tasks, task_manager=manager,
+        apply_chat_template=chat_template, limit=limit, log_samples=False, bootstrap_iters=0,
+        random_seed=None, numpy_random_seed=None, torch_random_seed=None,  # the training's own generators untouched
+        fewshot_random_seed=1234,  # (lm-eval's default: the same few-shot examples on every rank, before and after)
+    )  # fmt: skip
+    if results is None:  # lm-eval reports on the process whose LOCAL_RANK is 0 only (evaluator.py); it answered too
+        return {}
+    return {task: task_scores(results, task) for task in reported(results, tasks)}
+
+
+def reported(results: dict, tasks: list[str]) -> list[str]:
+    """The entries to report for the names asked: each task or group itself; for a tag (which has no score of its
+    own), the tasks it stood for."""
+    asked = [n for n in tasks if n in results["results"]]
+    if len(asked) == len(tasks):
+        return asked
+    inside = {t for subtasks in results.get("group_subtasks", {}).values() for t in subtasks}
+    return asked + [n for n in results["results"] if n not in inside and n not in asked]
+
+
+def task_scores(results: dict, task: str) -> dict:
+    """A task's entry: its metrics as `metric` (lm-eval's filter `none`) or `metric/filter` (gsm8k's strict-match)."""
+    metrics = {}
+    for key, value in results["results"][task].items():
+        metric, _, kept = key.partition(",")
+        if kept and not metric.endswith("_stderr") and isinstance(value, (int, float)):
+            metrics[metric if kept == "none" else f"{metric}/{kept}"] = float(value)
+    samples = results.get("n-samples", {}).get(task, {}).get("effective")
+    return {"metrics": metrics, "samples": samples, "version": results.get("versions", {}).get(task)}
+
+
+def _local(task_dir: str) -> str:
+    """lm-eval reads task YAMLs from a local directory: a gs:// one is copied next to this process first."""
+    if "://" not in task_dir:
+        return task_dir
+    import tempfile
+
+    from runtime.storage import gcs
+
+    into = tempfile.mkdtemp(prefix="heldout-")
+    for name in (f"{TASK}.yaml", f"{LOSS_TASK}.yaml", "heldout_utils.py"):
+        gcs().get(f"{task_dir}/{name}", os.path.join(into, name))
+    return into
+
+
+def comparison(base: dict | None, tuned: dict[str, dict]) -> dict:
+    """evaluation.json's tasks: per task its documents, version and, per metric, the base, the fine-tuned and the
+    delta (the fine-tuned alone where no base was recorded: a run resumed from a checkpoint older than its
+    evaluation)."""
+    tasks = {}
+    for task, scored in tuned.items():
+        before = ((base or {}).get(task) or {}).get("metrics", {})
+        tasks[task] = {"samples": scored["samples"], "version": scored["version"], "metrics": {
+            m: {"base": before[m], "fine_tuned": v, "delta": v - before[m]} if m in before else {"fine_tuned": v}
+            for m, v in scored["metrics"].items()}}  # fmt: skip
+    return tasks
+
+
+def read_evaluation(run_dir: str) -> dict | None:
+    """A run's evaluation.json (a local path or URI), or None when it has none."""
+    import pyarrow.fs
+
+    from runtime.storage import filesystem
+
+    fs, path = filesystem(f"{run_dir.rstrip('/')}/{EVALUATION_FILE}")
+    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+        return None
+    with fs.open_input_stream(path) as f:
+        return json.loads(f.read())
+
+
+class BeforeAfter:
+    """TrainingRun's evaluation hook: the plan's tasks scored before the first step and after the last, and on
+    rank 0 evaluation.json written into the run, the table in the log and the scores in TensorBoard
+    (evaluation/<task>/<metric> at step 0 and at the last step)."""
+
+    def __init__(self, plan: Plan, run_fs, run_path: str, rank: int, batch_size: int, board=None):
+        self.plan, self.run_fs, self.run_path, self.rank, self.batch_size, self.board = (
+            plan, run_fs, run_path, rank, batch_size, board)  # fmt: skip
+
+    def score(self, run) -> dict[str, dict]:
+        """The plan's tasks for the run's model as it is now (training_run.TrainingRun `run`)."""
+        scores = score(run.trainee, self.plan, self.batch_size) if self.plan.task_dir or self.plan.named else {}
+        if self.plan.pairs and run.data.eval:
+            from training.dpo import held_out_scores
+
+            found = held_out_scores(run.trainee.loss, run.data, run.settings, run.rank, run.world, run.device)
+            metrics = {"preferred": found["eval_preferred"], "loss": found["eval_loss"],
+                       "rewards/margins": found["eval_rewards/margins"]}  # fmt: skip
+            scores[PAIRS_TASK] = {"metrics": metrics, "samples": len(run.data.eval), "version": None}
+        return scores
+
+    def finish(self, base: dict | None, tuned: dict[str, dict], step: int = 0) -> dict:
+        import lm_eval
+
+        evaluation = {"tasks": comparison(base, tuned), "lm_eval_version": lm_eval.__version__,
+                      "task_dir": self.plan.task_dir, "named_tasks": list(self.plan.named), "limit": self.plan.limit,
+                      "chat_template": self.plan.chat_template, "base_model": self.plan.base_model,
+                      "rescore": self.plan.commands()}  # fmt: skip
+        if self.rank == 0:
+            from runtime.backend import worker_print
+
+            with self.run_fs.open_output_stream(f"{self.run_path}/{EVALUATION_FILE}") as f:
+                f.write(json.dumps(evaluation, indent=2).encode())
+            for line in evaluation_table(evaluation):
+                worker_print(line)
+            for task, entry in evaluation["tasks"].items():
+                for metric, v in entry["metrics"].items() if self.board else ():
+                    for at, value in ((0, v.get("base")), (step, v["fine_tuned"])):
+                        if value is not None:
+                            self.board.add_scalar(f"evaluation/{task}/{metric}", value, at)
+        return evaluation
+
+
+def before_after(storage, settings, rank: int, board=None) -> BeforeAfter | None:
+    """The hook for this run (Ray Train's StorageContext `storage`): the held-out tasks if the driver wrote them,
+    and the lm-eval tasks named."""
+    import pyarrow.fs
+
+    from runtime.storage import uri
+
+    path = f"{storage.experiment_fs_path}/{TASK_DIR}"
+    written = storage.storage_filesystem.get_file_info(f"{path}/{TASK}.yaml").type == pyarrow.fs.FileType.File
+    plan = Plan.of(settings, uri(settings.storage_path, path) if written else None)
+    if plan is None:
+        return None
+    return BeforeAfter(plan, storage.storage_filesystem, storage.experiment_fs_path, rank, settings.batch_size,
+                       board)  # fmt: skip

@@ -1,0 +1,252 @@
+"""Every change made to the model, in one place, composed by `build_model` in one order
+(torchtitan's parallelize.py):
+
+1. load, in the compute dtype, text only;
+2. freeze the per-layer embedding table (kept out of FSDP);
+3. LoRA adapters (before FSDP, as torchtune does, so each unit holds one dtype);
+4. activation checkpointing (before FSDP, so the recomputation gathers the layer again);
+5. FSDP2 over the mesh (`device_mesh`: one slice's devices; across slices HSDP, the model sharded
+   within each slice and replicated across them): each decoder layer a unit, then the root,
+   `TokenLoss`, whose forward is the summed token loss.
+
+`apply_tp` is here too: the collectives check's tensor-parallel parity applies it to its toy block.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from data.render import load_tokenizer, stop_token_ids
+from runtime import torch_tpu_api
+from runtime.memory_plan import ModelShape, shape_of
+from training.checkpoints import is_sharded
+from training.chunked_loss import row_log_probs
+from training.lora import TARGET_PATTERN
+from training.recipe import token_loss_sum
+
+
+def load_model(ref: str, dtype: str = "bfloat16", attention: str = "eager"):
+    """In the compute dtype (so the unsharded per-layer table matches), text only, no KV cache; `attention` is
+    transformers' attn_implementation (eager or sdpa). A gs:// directory is copied to this machine first."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from runtime.storage import model_directory
+
+    token, ref = os.environ.get("HF_TOKEN"), model_directory(ref)
+    config = AutoConfig.from_pretrained(ref, token=token)
+    for tower in ("vision_config", "audio_config"):
+        if hasattr(config, tower):
+            setattr(config, tower, None)
+    model = AutoModelForCausalLM.from_pretrained(
+        ref, config=config, dtype=getattr(torch, dtype), attn_implementation=attention, token=token
+    )
+    model.config.use_cache = False
+    return model
+
+
+def language_model(model):
+    return getattr(model.model, "language_model", model.model)
+
+
+def freeze_per_layer_embeddings(model):
+    """The per-layer embedding table is huge and trained no further: frozen, and kept out of FSDP."""
+    table = language_model(model).embed_tokens_per_layer.weight
+    table.requires_grad_(False)
+    return table
+
+
+def apply_lora(model, rank: int, alpha: int):
+    """Inject the adapters (the base is frozen by peft); returns the peft LoraConfig (the export needs it)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGET_PATTERN, lora_dropout=0.0, bias="none")
+    inject_adapter_in_model(config, model)
+    return config
+
+
+def apply_activation_checkpointing(model) -> None:
+    """Recompute every decoder layer in the backward pass (transformers' non-reentrant checkpointing of
+    its GradientCheckpointingLayer)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def apply_compile(model, backend: str) -> None:
+    """torch.compile each decoder layer in place (Module.compile: the same module, so FSDP2 wraps it and the
+    checkpoints' names do not change), as torchtitan compiles each block; dynamic=False, packed rows keeping every
+    step's shapes. Evals and sample answers run eager (training_run.TrainingRun.evaluate)."""
+    for layer in language_model(model).layers:
+        layer.compile(dynamic=False, backend=backend)
+
+
+def compile_counts(settings) -> dict[str, int]:
+    """What grows when a step compiles again: with settings.compile, the frames torch.compile has compiled
+    (torch._dynamo's counters); on TPU, TorchTPU's program-cache misses (fused eager's programs too)."""
+    from torch._dynamo.utils import counters
+
+    counts = {"recompiles": counters["frames"]["total"]} if settings.compile else {}
+    misses = torch_tpu_api.cache_misses() if settings.backend == "tpu" else None
+    return counts if misses is None else counts | {"program_cache_misses": misses}
+
+
+class TokenLoss(torch.nn.Module):
+    """The training forward: the sum of the model's token losses, never its logits (loss_chunk tokens of
+    logits at a time; 0: all at once). The FSDP root, so the tied head it reads is the root's unsharded
+    weight, gathered once for the step, with no copy."""
+
+    def __init__(self, causal_lm, loss_chunk: int, attention_kernels=nullcontext):
+        super().__init__()
+        self.causal_lm, self.loss_chunk, self.attention_kernels = causal_lm, loss_chunk, attention_kernels
+        self.softcap = causal_lm.config.get_text_config().final_logit_softcapping
+
+    def forward(self, input_ids, labels, attention_mask=None, position_ids=None, per_row: bool = False):
+        """The token losses' sum; `per_row`: each row's sum of log p(label) instead (DPO's, dpo.py)."""
+        with self.attention_kernels():
+            out = self.causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                       use_cache=False)  # fmt: skip
+        if per_row:
+            return row_log_probs(out.last_hidden_state, self.causal_lm.lm_head.weight, labels, self.softcap,
+                                 self.loss_chunk)  # fmt: skip
+        return token_loss_sum(out.last_hidden_state, self.causal_lm.lm_head.weight, labels, self.softcap,
+                              self.loss_chunk)  # fmt: skip
+
+
+def device_mesh(device_type: str, world: int, num_slices: int = 1):
+    """One dimension over every device of one slice; with more slices two, as Google's TorchTPU sample builds
+    it: ("dp_replicate", "dp_shard") = (slices, devices a slice). Ray Train numbers the workers slice by
+    slice (its MEGASCALE_SLICE_ID is rank // workers a slice), so each row, a dp_shard group, is one slice:
+    FSDP's all-gathers and reduce-scatters stay on the slice's ICI and only the gradients' all-reduce
+    crosses the data-centre network between slices."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if num_slices == 1:
+        return init_device_mesh(device_type, (world,))
+    return init_device_mesh(device_type, (num_slices, world // num_slices), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def apply_fsdp(root: TokenLoss, mesh, ignored: set, dtype: str = "bfloat16") -> TokenLoss:
+    """FSDP2: each decoder layer, then the root; params in the compute dtype, fp32 gradient reduction.
+    On a 2-D mesh FSDP2 is HSDP: sharded over the second dimension, replicated over the first.
+
+    Each whole decoder layer is a unit (torchtitan's layout): only two are unsharded at a time. (The
+    walkthrough shards only the MLPs, which leaves every attention projection in the root, gathered
+    for the whole step: 15 GB of a 32 GB v6e chip for 31B.) Gradients are summed over ranks, not
+    averaged: the loss is already divided by the global count of predicted tokens (step.train_step),
+    so an average would divide a second time. Under HSDP that holds for both reductions (the reduce-scatter
+    within a slice, the all-reduce across slices): one global batch is one sum.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
+    for layer in language_model(root.causal_lm).layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # SUM, which every backend has (gloo has no AVG)
+    return root
+
+
+def apply_tp(model, mesh):
+    """Megatron-style: W1 split by output columns, W2 by input rows; one all-reduce per forward."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    return parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+
+
+def stop_at_end_of_turn(model, tokenizer) -> None:
+    """generate() stops at the chat template's end-of-turn token as well as at EOS (render.stop_token_ids)."""
+    eos = model.generation_config.eos_token_id
+    ids = stop_token_ids(tokenizer, eos)
+    if ids != ([eos] if isinstance(eos, int) else list(eos or [])):
+        model.generation_config.eos_token_id = ids
+
+
+@dataclass
+class Trainee:
+    """What `build_model` makes: `loss` is what the loop calls (the FSDP root); `model` the Hugging Face
+    model inside it (checkpoints and the export read it); `lora` the adapters' config, if any; `shape`
+    the model before LoRA, for the memory plan."""
+
+    loss: TokenLoss
+    model: object
+    tokenizer: object
+    lora: object | None
+    shape: ModelShape
+
+
+def load_model_and_tokenizer(settings, dtype: str, restored):
+    """Weights from --model, or from a walkthrough-style (full) checkpoint being resumed; a sharded
+    checkpoint is loaded on top afterwards (checkpoints.ShardedCheckpointer)."""
+    full = restored is not None and not is_sharded(restored)
+    with restored.as_directory() if full else nullcontext(None) as restored_dir:
+        source = restored_dir or settings.model
+        tokenizer = load_tokenizer(settings.tokenizer or source)
+        model = load_model(source, dtype, settings.attention)
+    return model, tokenizer
+
+
+def flash_on_tpu():
+    """SDPA's OVERRIDEABLE backend, which TorchTPU fills with its flash (splash) kernel: how Google's newer TorchTPU
+    sample runs attention (as issue 36 reports it; not read here). Whether that kernel takes Gemma 4's 512-wide
+    global heads is not known (FlashAttention rejects them: ../shared/FACTS.md), so TPU runs default to eager."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.OVERRIDEABLE])
+
+
+def packed_masks_without_host_reads() -> None:
+    """transformers 5.23 finds packed rows' documents from their position ids, then asks the device whether there
+    is more than one (`if (packed_sequence_mask[:, -1] == 0).all(): return None`, masking_utils.py
+    `find_packed_sequence_indices`): a host read in every forward, twice for Gemma 4's two mask kinds, which
+    splits TorchTPU's fused program. Its own comment says the all-zero indices it returns under compile mean the
+    same as None; so they are kept: the same masks, no read."""
+    from transformers import masking_utils
+
+    if getattr(masking_utils.find_packed_sequence_indices, "reads_nothing", False):
+        return
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor:
+        first = position_ids[:, :1] - 1
+        return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+    find_packed_sequence_indices.reads_nothing = True
+    find_packed_sequence_indices.original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+
+
+def build_model(settings, backend, dtype: str, world: int, restored) -> Trainee:
+    """The model as it trains, every change in this module's order, over all ranks."""
+    packed_masks_without_host_reads()
+    model, tokenizer = load_model_and_tokenizer(settings, dtype, restored)
+    if settings.chat_template:
+        stop_at_end_of_turn(model, tokenizer)
+    frozen = freeze_per_layer_embeddings(model)
+    shape = shape_of(model)  # before LoRA: the plan adds the adapters itself
+    lora = apply_lora(model, settings.lora_rank, settings.lora_alpha) if settings.lora else None
+    if settings.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if settings.compile:
+        apply_compile(model, torch_tpu_api.COMPILE_BACKEND if backend.name == "tpu" else "inductor")
+    model.to(backend.device())
+    mesh = device_mesh(backend.device_type, world, settings.num_slices)
+    kernels = flash_on_tpu if backend.name == "tpu" and settings.attention == "sdpa" else nullcontext
+    root = apply_fsdp(TokenLoss(model, settings.loss_chunk, kernels), mesh, ignored={frozen}, dtype=dtype)
+    root.train()  # (from_pretrained gives eval mode, where transformers skips activation checkpointing)
+    return Trainee(root, model, tokenizer, lora, shape)
+
+
+def adamw(trainee: Trainee, settings) -> torch.optim.Optimizer:
+    """AdamW over what is trainable (everything but the per-layer table, or LoRA's adapters), its learning rate a
+    device tensor each step writes into (step.set_lr): no program's constant changes from step to step. On TPU,
+    TorchTPU's own AdamW (torch_tpu_api); elsewhere torch's fused one, whose step counts stay on the device
+    (torch/optim/adam.py's default path reads each with .item())."""
+    trainable = [p for p in trainee.model.parameters() if p.requires_grad]
+    lr = torch.tensor(settings.lr, dtype=torch.float32, device=trainable[0].device)
+    if settings.backend == "tpu":
+        return torch_tpu_api.adamw(trainable, lr, settings.weight_decay)
+    return torch.optim.AdamW(trainable, lr=lr, weight_decay=settings.weight_decay, fused=True)
