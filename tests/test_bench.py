@@ -67,10 +67,7 @@ def test_checkpoint_write_bench_smoke_prints_the_ratio(capsys):
 
 
 def test_step_bench_smoke_prints_the_compile_ratio_and_the_reads_per_step(ray_head, tmp_path, capsys):
-    # the compiled layers' shapes are test_recipe's compile test's (rows of 2 x 128 on one worker): whichever runs
-    # second finds inductor's compiled code in its on-disk cache instead of compiling again
-    smoke = ["--size", "tiny", "--rows", "32", "--epochs", "1", "--seq-len", "128", "--batch-size", "2", "--workers",
-             "1", "--steps", "3"]  # fmt: skip
+    smoke = ["--size", "tiny", "--rows", "32", "--epochs", "1", "--seq-len", "128", "--workers", "1", "--steps", "3"]
     out = step_bench.main(["--out", str(tmp_path), *smoke], head=ray_head)
     printed = capsys.readouterr().out
     eager, compiled = out["runs"].values()
