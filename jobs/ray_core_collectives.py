@@ -34,6 +34,7 @@ from runtime.tpu_generations import by_accelerator_type
 
 TPU_MASTER_PORT = 29500
 MEGASCALE_PORT = 8081  # Ray's DEFAULT_MEGASCALE_PORT (ray/_private/accelerators/tpu.py)
+RENDEZVOUS_ATTEMPTS = 3  # rank 0 picks a free port, then listens on it: another process may bind it in between
 RTOL, ATOL = 1e-3, 1e-2
 
 
@@ -182,7 +183,6 @@ def reserve(args, world: int):
 
 
 def run_check(args: argparse.Namespace) -> dict:
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     world = worker_count(placement(args))
     slice_devices = world // args.num_slices
@@ -202,25 +202,9 @@ def run_check(args: argparse.Namespace) -> dict:
             f"could not reserve {world} workers within {args.reserve_timeout_s}s; "
             f"the cluster offers {ray.cluster_resources()}"
         ) from None
-    resources = {"resources": {"TPU": 1}} if args.backend == "tpu" else {"num_cpus": 1}
-    workers = [
-        CollectivesWorker.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i), **resources
-        ).remote(args.backend, i, devices_per_host, slice_devices)
-        for i in range(world)
-    ]
     try:
-        ids = ray.get([w.identity.remote() for w in workers])
-        rank0 = workers[min(range(world), key=lambda i: ids[i]["rank"])]
-        master_addr, master_port = ray.get(rank0.rendezvous.remote())
-        settings = vars(args) | {"reference_seed": args.seed if args.reference_seed is None else args.reference_seed}
-        results = sorted(
-            ray.get([w.run.remote(master_addr, master_port, world, settings) for w in workers]),
-            key=lambda r: r["rank"],
-        )
+        results = with_a_free_port(lambda: run_workers(args, pg, world, devices_per_host, slice_devices))
     finally:
-        for w in workers:
-            ray.kill(w)
         if handle is not None:
             handle.shutdown()
         else:
@@ -234,6 +218,44 @@ def run_check(args: argparse.Namespace) -> dict:
     summary = summarise(results, world, args.backend, args.num_slices)
     print(verdict(summary), flush=True)
     return summary
+
+
+def run_workers(args: argparse.Namespace, pg, world: int, devices_per_host: int, slice_devices: int) -> list[dict]:
+    """One worker a bundle of the placement group, each rank's check, the workers gone after it."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    resources = {"resources": {"TPU": 1}} if args.backend == "tpu" else {"num_cpus": 1}
+    workers = [
+        CollectivesWorker.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i), **resources
+        ).remote(args.backend, i, devices_per_host, slice_devices)
+        for i in range(world)
+    ]
+    try:
+        ids = ray.get([w.identity.remote() for w in workers])
+        rank0 = workers[min(range(world), key=lambda i: ids[i]["rank"])]
+        master_addr, master_port = ray.get(rank0.rendezvous.remote())
+        settings = vars(args) | {"reference_seed": args.seed if args.reference_seed is None else args.reference_seed}
+        return sorted(
+            ray.get([w.run.remote(master_addr, master_port, world, settings) for w in workers]),
+            key=lambda r: r["rank"],
+        )
+    finally:
+        for w in workers:
+            ray.kill(w)
+
+
+def with_a_free_port(check, attempts: int = RENDEZVOUS_ATTEMPTS):
+    """The check, again with new workers and a new port when rank 0's port was taken between its pick and its
+    listen (EADDRINUSE: another process on the host bound it in that window)."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return check()
+        except ray.exceptions.RayTaskError as err:
+            if "EADDRINUSE" not in str(err) or attempt == attempts:
+                raise
+            print(f"rank 0's rendezvous port was taken before it listened (attempt {attempt} of {attempts}); "
+                  "trying another", flush=True)  # fmt: skip
 
 
 def summarise(results: list[dict], world: int, backend: str, slices: int = 1) -> dict:

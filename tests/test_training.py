@@ -35,6 +35,7 @@ def local_cfg(tiny_assets, storage, stack: str):
     return local_run.local_config(
         stack=stack, model=tiny_assets["model"], dataset=tiny_assets["dataset"], datasetSplit="train[:80]", epochs="1",
         seqLen="64", localStoragePath=str(storage), jobTimeoutMinutes="10", evalSamples="1", evalTasks="none",
+        finetuneWorkers="1",  # (the job resource's path is the point; the ranks' is test_jobs' and test_slices')
     )  # fmt: skip
 
 

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 
 from data.labels import IGNORE
 from data.sft_data import row_tensors
 from runtime.outcome import JobInputError
-from runtime.storage import filesystem
+from runtime.storage import filesystem, once_per_machine
 
 SPLITS = ("train", "eval")
 
@@ -28,25 +26,19 @@ class Prepared:
 
 def local_directory(uri: str) -> str:
     """The prepared files on this machine's disk: in place for a local path, else copied once per machine
-    (every rank of a host shares the copy; a lock lets one copy while the others wait)."""
-    import fcntl
-
+    (every rank of a host shares the copy: storage.once_per_machine)."""
     import pyarrow.fs
 
     fs, path = filesystem(uri)
     if isinstance(fs, pyarrow.fs.LocalFileSystem):
         return path
-    local = os.path.join(tempfile.gettempdir(), f"prepared-{os.path.basename(path)}")
-    with open(f"{local}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(local):
-            partial = f"{local}.partial"
-            shutil.rmtree(partial, ignore_errors=True)
-            for split in SPLITS:
-                os.makedirs(os.path.join(partial, split))
-            pyarrow.fs.copy_files(path, partial, source_filesystem=fs)
-            os.rename(partial, local)
-    return local
+
+    def fill(partial: str) -> None:
+        for split in SPLITS:
+            os.makedirs(os.path.join(partial, split))
+        pyarrow.fs.copy_files(path, partial, source_filesystem=fs)
+
+    return once_per_machine(f"prepared-{os.path.basename(path)}", fill)
 
 
 class PreparedRows:

@@ -24,6 +24,7 @@ records and on lm-eval tasks by name (--eval-tasks heldout,gsm8k).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -240,9 +241,11 @@ def score(trainee, plan: Plan, batch_size: int) -> dict[str, dict]:
     return scores
 
 
+@functools.cache
 def task_manager(include_path: str | None, named: bool = False):
     """lm-eval's task index: the held-out tasks' own directory alone, or with lm-eval's built-in tasks when tasks
-    are named (indexing those ~14,700 YAML files takes seconds of CPU each time: 5.5 s here)."""
+    are named (indexing those ~14,700 YAML files takes seconds of CPU each time: 5.5 s here), once a process:
+    the base's scores and the fine-tune's read the same index."""
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=include_path, include_defaults=named)

@@ -188,13 +188,10 @@ def probe(storage_path: str) -> None:
 def model_directory(ref: str) -> str:
     """A model (or tokenizer) reference as from_pretrained takes it: a hub id or local directory as it is; a
     gs:// directory (an earlier run's export, `<run>/model`) copied once per machine into the temp dir (every
-    rank of a host shares the copy; a lock lets one copy while the others wait). The copy is named by the URI
-    and its objects' names, sizes and checksums: an export written again at the same URI (a run name used
-    twice) is copied again, never read from an older copy."""
-    import fcntl
+    rank of a host shares the copy). The copy is named by the URI and its objects' names, sizes and checksums:
+    an export written again at the same URI (a run name used twice) is copied again, never read from an older
+    copy."""
     import hashlib
-    import shutil
-    import tempfile
 
     if not is_gcs(ref):
         return ref
@@ -206,13 +203,24 @@ def model_directory(ref: str) -> str:
         raise JobInputError(f"{ref!r} holds no model (no config.json or tokenizer_config.json there): give "
                             "the directory an earlier run exported, <run>/model")  # fmt: skip
     key = hashlib.sha256(json.dumps([ref, sorted(listing.items())]).encode()).hexdigest()[:16]
-    local = os.path.join(tempfile.gettempdir(), f"model-{key}")
+    return once_per_machine(f"model-{key}", lambda partial: fs.get(f"{source}/", f"{partial}/", recursive=True))
+
+
+def once_per_machine(name: str, fill) -> str:
+    """The temp dir's `name`, made once on this machine: the first process fills a partial directory
+    (`fill(partial)`) and renames it into place; every other (each rank of a host) waits on the lock, then
+    finds it."""
+    import fcntl
+    import shutil
+    import tempfile
+
+    local = os.path.join(tempfile.gettempdir(), name)
     with open(f"{local}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(local):
             partial = f"{local}.partial"
             shutil.rmtree(partial, ignore_errors=True)
-            fs.get(f"{source}/", f"{partial}/", recursive=True)
+            fill(partial)
             os.rename(partial, local)
     return local
 
