@@ -25,9 +25,10 @@ lint: $(INSTALLED)
 pulumi-yaml: $(INSTALLED)
 	$(BIN)/python -m infra.pulumi_yaml
 
-# Two workers on one shared Ray head (tests/conftest.py): the end-to-end runs mostly wait, so they overlap.
+# Two workers on one shared Ray head (tests/conftest.py); each test's time in .local/pytest-times.xml (JUnit XML:
+# docs/tests.md's table of where the time goes is made from it).
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 --junitxml=.local/pytest-times.xml
 
 # Everything but the runs on a Ray head (`e2e`) and the in-process ones of tens of seconds (`slow`), on both
 # cores: about a minute on 2 cores.
