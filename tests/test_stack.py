@@ -483,3 +483,20 @@ def test_a_misspelt_key_is_refused_at_preview_naming_the_key_it_meant():
             run_program(stack, stack_config(stack, lerningRate="1e-3"))
         assert "gemma-tpu:lerningRate: not a key this project reads; did you mean learningRate?" in str(err.value)
         assert {r.type for r in run_program.last_registered} <= {"pulumi:pulumi:Stack"}
+
+
+def test_every_key_the_cli_hands_over_is_read_from_pulumi_config_too(monkeypatch):
+    """Under the CLI the language host hands the program its config as PULUMI_CONFIG (JSON; the SDK's
+    runtime/config.py reads it when nothing was set), not through set_all_config: a misspelt key is seen there."""
+    import json
+
+    from pulumi.runtime import config
+
+    from infra.config import project_keys
+
+    monkeypatch.setenv("PULUMI_CONFIG", json.dumps({"gemma-tpu:lerningRate": "1e-3", "gcp:project": "demo"}))
+    token = config.CONFIG.set({})
+    try:
+        assert project_keys() == {"lerningRate"}
+    finally:
+        config.CONFIG.reset(token)
