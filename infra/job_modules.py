@@ -19,22 +19,8 @@ if str(JOBS_DIR) not in sys.path:
     sys.path.insert(0, str(JOBS_DIR))
 
 import tiny_assets  # noqa: E402
-from config import (
-    command_line,  # noqa: E402
-    data_formats,  # noqa: E402
-    eval_tasks,  # noqa: E402
-    settings,  # noqa: E402
-    splits,  # noqa: E402
-)
-from runtime import (
-    backend,  # noqa: E402
-    log_lines,  # noqa: E402
-    memory_plan,  # noqa: E402
-    outcome,  # noqa: E402
-    run_files,  # noqa: E402
-    storage,  # noqa: E402
-    tpu_generations,  # noqa: E402
-)
+from config import command_line, data_formats, eval_tasks, settings, splits  # noqa: E402
+from runtime import backend, log_lines, memory_plan, outcome, run_files, storage, tpu_generations  # noqa: E402
 from training import samples  # noqa: E402
 
 __all__ = [

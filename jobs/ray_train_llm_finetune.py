@@ -49,7 +49,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
 
 from config.command_line import for_this_machine, from_args, parse_args
 from config.settings import DEFAULT_RUN_PREFIX, FinetuneSettings, check, worker_count
@@ -83,9 +82,6 @@ from training.objectives import prepare_data, training_data
 from training.recipe import Schedule
 from training.training_run import Hooks, Progress, TrainingRun, log_every
 from training.worker_hooks import epoch_metrics, model_sizes, resume, save_full, save_sharded, utilisation
-
-if TYPE_CHECKING:  # the model (and torch) are imported where they run: the preflight needs neither
-    pass
 
 REPORT_POLL_S = 0.5  # (the driver's settings reach the controller: Ray Train propagates them,
 PREEMPTION_POLL_S = 1.0  # ray/train/v2/_internal/constants.py, ENV_VARS_TO_PROPAGATE)

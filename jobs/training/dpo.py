@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from config.settings import DPO_LOSSES
 
-LOSSES = DPO_LOSSES
 METRICS = (
     "rewards/chosen",
     "rewards/rejected",
@@ -42,7 +41,7 @@ def pair_losses(chosen, rejected, ref_chosen, ref_rejected, beta: float, loss: s
     if loss == "ipo":
         delta = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
         return (delta - 1 / (2 * beta)) ** 2
-    raise ValueError(f"unknown DPO loss {loss!r}: one of {', '.join(LOSSES)}")
+    raise ValueError(f"unknown DPO loss {loss!r}: one of {', '.join(DPO_LOSSES)}")
 
 
 def metric_sums(chosen, rejected, ref_chosen, ref_rejected, beta: float):
