@@ -25,15 +25,15 @@ lint: $(INSTALLED)
 pulumi-yaml: $(INSTALLED)
 	$(BIN)/python -m infra.pulumi_yaml
 
-# Two workers on one shared Ray head (tests/conftest.py); each test's time in .local/pytest-times.xml (JUnit XML:
-# docs/tests.md's table of where the time goes is made from it).
+# Two workers on one shared Ray head, given whole files in tests/conftest.py's order (the slowest first); each
+# test's time in .local/pytest-times.xml (JUnit XML: docs/tests.md's table of where the time goes is made from it).
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 --junitxml=.local/pytest-times.xml
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 --junitxml=.local/pytest-times.xml
 
 # Everything but the runs on a Ray head (`e2e`) and the in-process ones of tens of seconds (`slow`), on both
 # cores: about a minute on 2 cores.
 test-fast: $(INSTALLED)
-	$(BIN)/python -m pytest -q -m "not e2e and not slow" -n 2 --dist loadfile --durations=5
+	$(BIN)/python -m pytest -q -m "not e2e and not slow" -n 2 --dist loadfile --no-loadscope-reorder --durations=5
 
 local: $(INSTALLED)
 	$(BIN)/python -m infra.local_run

@@ -1,6 +1,7 @@
 import atexit
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,6 +23,10 @@ METADATA = MetadataStandin().start()
 GCLOUD_CONFIG = Path(tempfile.mkdtemp(prefix="gcloud-config-"))
 atexit.register(shutil.rmtree, GCLOUD_CONFIG, True)
 isolate_google_clients(METADATA.host, "http://127.0.0.1:9", GCLOUD_CONFIG)
+# google-auth keeps the host it found at import (google/auth/compute_engine/_metadata.py: _GCE_METADATA_HOST) for
+# the process's life: imported now, it is this session's stand-in, and not the short-lived one of whichever test
+# imported it first (bench/checkpoint_writes.py starts its own), which later tests would wait on for minutes.
+import google.auth.compute_engine._metadata  # noqa: E402, F401, I001
 
 # datasets (at import) and transformers (at first use) give their loggers a handler on the sys.stderr
 # of that moment, once. Done here it is the session's stream, not the stream of whichever `capsys` test
@@ -32,17 +37,37 @@ from transformers.utils import logging as transformers_logging  # noqa: E402
 transformers_logging.get_logger("transformers")
 
 
+# The files that take longest, longest first (pytest's own per-test times from fresh clones, docs/tests.md): `-n 2
+# --dist loadfile --no-loadscope-reorder` hands out whole files in this order, so the long ones start early on both
+# workers and the many short files fill in around them. (xdist's default reorder, by test count, started the
+# bench and preemption files last: one worker ran them alone for the last minute.)
+SLOWEST_FIRST = ("test_jobs.py", "test_bench.py", "test_training.py", "test_preemption.py", "test_recipe.py",
+                 "test_dpo.py", "test_evaluation.py", "test_storage.py", "test_step_checkpoints.py", "test_slices.py")  # fmt: skip
+
+
 def pytest_collection_modifyitems(items):
-    """`e2e`: every test that needs the Ray head (directly or through a fixture); `make test-fast`
-    leaves them out. The files with the most e2e tests go first: `-n 2 --dist loadfile` hands out whole
-    files in this order, so the two longest (a minute or more each) start at once on the two workers and
-    the short ones fill in around them, instead of one long file starting last on a busy worker."""
-    e2e = {}
+    """`e2e`: every test that needs the Ray head (directly or through a fixture); `make test-fast` leaves them
+    out. Then the files in SLOWEST_FIRST's order, the others after them as collected."""
     for item in items:
         if "ray_head" in getattr(item, "fixturenames", ()) or item.get_closest_marker("e2e"):
             item.add_marker(pytest.mark.e2e)
-            e2e[item.path] = e2e.get(item.path, 0) + 1
-    items.sort(key=lambda item: -e2e.get(item.path, 0))  # (stable: within a file, and among the rest, as collected)
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: within a file as collected)
+
+
+PICKLER_AS_PYTHON_MADE_IT = {name: pickle._Pickler.__dict__[name] for name in ("_batch_setitems", "save_dict")}
+
+
+@pytest.fixture(autouse=True)
+def pickler_as_found():
+    """Pulumi's serialize_provider (pulumi 3.272.0, pulumi/dynamic/dynamic.py) replaces pickle._Pickler's
+    _batch_setitems with a sorting wrapper around the one it finds and never puts it back: one layer per dynamic
+    resource a program declares. A `pulumi up` declares two and exits; this session runs the program hundreds of
+    times, and a later `datasets` fingerprint (dill, a pickle._Pickler) then exceeds the recursion limit. Each
+    test gets the pickler as Python made it."""
+    yield
+    for name, method in PICKLER_AS_PYTHON_MADE_IT.items():
+        setattr(pickle._Pickler, name, method)
 
 
 @pytest.fixture(scope="session")

@@ -17,13 +17,13 @@ def test_the_dolly_mix_pads_like_dolly_with_gemma(tmp_path):
 
 
 def test_bench_smoke_prints_the_side_by_side_table(ray_head, tmp_path, capsys):
-    smoke = "--size tiny --stall-size tiny --memory-size tiny --rows 48 --epochs 1 --seq-len 512".split()
+    smoke = "--size tiny --stall-size tiny --memory-size tiny --rows 48 --epochs 1 --seq-len 512 --workers 1".split()
     out = bench.main(["--out", str(tmp_path), *smoke], head=ray_head)
     printed = capsys.readouterr().out
     walk, pack = out["results"].values()
     assert walk["metrics"]["packing"] is False and pack["metrics"]["packing"] is True
     # the walkthrough's recipe: one record per padded row, so every record is a row
-    assert walk["metrics"]["steps"] == 48 // (2 * 4) and walk["metrics"]["real_token_share"] < 0.5
+    assert walk["metrics"]["steps"] == 48 // 4 and walk["metrics"]["real_token_share"] < 0.5
     assert pack["metrics"]["steps"] < walk["metrics"]["steps"]  # the same records in fewer, fuller rows
     assert pack["metrics"]["real_token_share"] > 0.9
     assert out["ratio"] == pack["metrics"]["real_tokens_per_s"] / walk["metrics"]["real_tokens_per_s"]
@@ -33,7 +33,7 @@ def test_bench_smoke_prints_the_side_by_side_table(ray_head, tmp_path, capsys):
     assert not list(walk_checkpoint.glob("*.distcp")) and walk["checkpoints"] == [walk["checkpoint"]]
     # the default's: per-rank shards each epoch, one from_pretrained export at the end
     assert Path(pack["checkpoint"]).name == "model" and (Path(pack["checkpoint"]) / "model.safetensors").exists()
-    assert len(list(Path(pack["checkpoints"][0]).glob("*.distcp"))) == 2
+    assert len(list(Path(pack["checkpoints"][0]).glob("*.distcp"))) == 1  # (one worker: the smoke's CPU budget)
     assert out["stall_ratio"] == pack["metrics"]["checkpoint_stall_s"] / walk["metrics"]["checkpoint_stall_s"]
     for row in ("epoch 1: real_tokens_per_s", "epoch 1: steps", "epoch 1: loss", "epoch 1: checkpoint_stall_s"):
         assert row in printed
@@ -67,7 +67,10 @@ def test_checkpoint_write_bench_smoke_prints_the_ratio(capsys):
 
 
 def test_step_bench_smoke_prints_the_compile_ratio_and_the_reads_per_step(ray_head, tmp_path, capsys):
-    smoke = ["--size", "tiny", "--rows", "32", "--epochs", "1", "--seq-len", "128", "--workers", "1", "--steps", "3"]
+    # The rows' shape of test_recipe's compile test ([2, 128], the tiny model, one thread): inductor's on-disk cache
+    # then holds one set of kernels for both, and whichever runs second compiles nothing (~25 s of CPU, cold).
+    smoke = ["--size", "tiny", "--rows", "32", "--epochs", "1", "--seq-len", "128", "--batch-size", "2", "--workers",
+             "1", "--steps", "3"]  # fmt: skip
     out = step_bench.main(["--out", str(tmp_path), *smoke], head=ray_head)
     printed = capsys.readouterr().out
     eager, compiled = out["runs"].values()

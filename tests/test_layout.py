@@ -212,3 +212,11 @@ def test_every_torch_tpu_name_is_called_from_one_module_that_says_where_it_read_
     source = api.read_text()
     assert called <= set(torch_tpu_api.READ_IN) and all(name.rsplit(".", 1)[-1] in source.split("READ_IN")[-1]
                                                         for name in torch_tpu_api.READ_IN)  # fmt: skip
+
+
+def test_the_suites_slowest_files_are_files_it_has():
+    """conftest.SLOWEST_FIRST orders `make test`'s files: a renamed file would fall silently to the end."""
+    from tests.conftest import SLOWEST_FIRST
+
+    here = Path(__file__).parent
+    assert [name for name in SLOWEST_FIRST if not (here / name).is_file()] == []

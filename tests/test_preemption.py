@@ -68,7 +68,7 @@ def drained(tiny_assets, tmp_path_factory) -> dict:
         driver.wait(timeout=240)
         hook_output = hook.communicate(timeout=60)[0]
     return {"logs": "".join(lines), "returncode": driver.returncode, "pod": pod, "before": before, "after": after,
-            "hook": hook_output, "export": storage / "drained" / "model"}  # fmt: skip
+            "hook": hook_output, "run_dir": storage / "drained", "export": storage / "drained" / "model"}  # fmt: skip
 
 
 @pytest.mark.e2e
@@ -90,6 +90,22 @@ def test_a_drained_node_saves_the_step_and_ray_train_moves_the_run_off_it(draine
     # the new group went to the node that was not draining
     (other,) = set(drained["before"]) - {drained["pod"]}
     assert drained["after"][drained["pod"]] == [] and len(drained["after"][other]) == 2
+
+
+@pytest.mark.e2e
+def test_each_checkpoint_holds_every_ranks_own_shard(drained):
+    """No rank gathers the model to save: through Ray Train's report, rank 0 writes about half of a 2-rank
+    checkpoint (the notice's save and the last)."""
+    import json
+
+    saves = sorted(p for p in drained["run_dir"].glob("checkpoint_*") if p.is_dir())
+    assert saves
+    for save in saves:
+        shards = {f.name: f.stat().st_size for f in save.glob("*.distcp")}
+        assert sorted(shards) == ["__0_0.distcp", "__1_0.distcp"], save
+        assert shards["__0_0.distcp"] < 0.6 * sum(shards.values())
+        assert not list(save.glob("*.safetensors")) and (save / ".metadata").exists()
+        assert json.loads((save / "train_state.json").read_text())["world_size"] == 2
 
 
 @pytest.mark.e2e

@@ -150,11 +150,14 @@ def connect_ray(cpus_wanted: int, workers_on: str | None = None) -> None:
             await_workers(workers_on, cpus_wanted, PLACEMENT_WAIT_S)
         return
     # A private single-machine Ray: keep it, and the process groups, on loopback.
+    num_cpus = max(cpus_wanted, os.cpu_count() or 1)
+    if workers_on:  # refused before Ray starts (seconds of a user's time) when this machine cannot hold them
+        refuse_unless_held(workers_on, cpus_wanted, private_ray_resources(num_cpus), "this machine's Ray would have")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     ray.init(
         address="local",  # not None: that too would follow a stale address file
-        num_cpus=max(cpus_wanted, os.cpu_count() or 1),
+        num_cpus=num_cpus,
         _node_ip_address="127.0.0.1",
         # Ray Train's PlacementGroupCleaner asks the State API, which the dashboard serves, whether the controller
         # lives; without it, it logs "Failed to query Ray Train Controller actor state" every few seconds
@@ -177,6 +180,28 @@ def worker_resources(backend: str) -> dict[str, float]:
     return RESOURCES_PER_WORKER[backend] | ({"GPU": 1} if backend == "cuda" else {})
 
 
+def private_ray_resources(num_cpus: int) -> dict[str, float]:
+    """What a Ray started here with `num_cpus` would hold: Ray's own resolution of this node's CPUs, TPU chips
+    (/dev/accel*, /dev/vfio) and GPUs, as `ray.init` runs it (ray/_private/resource_and_label_spec.py, Ray 2.60.0;
+    private, so it is the pinned Ray's)."""
+    from ray._private.resource_and_label_spec import ResourceAndLabelSpec
+
+    return ResourceAndLabelSpec(num_cpus=num_cpus).resolve(is_head=True, node_ip_address="127.0.0.1").to_resource_dict()
+
+
+def refuse_unless_held(backend: str, workers: int, have: dict[str, float], holder: str, waited: str = "") -> None:
+    """Raise JobInputError naming what `workers` workers of `backend` need and `have` lacks."""
+    needed = {k: v * workers for k, v in worker_resources(backend).items()}
+    if all(have.get(k, 0.0) >= v for k, v in needed.items()):
+        return
+    held = ", ".join(f"{k} {have.get(k, 0.0):g}" for k in needed)
+    raise JobInputError(
+        f"--backend {backend} needs {', '.join(f'{k} {v:g}' for k, v in needed.items())} for {workers} workers; "
+        f"{holder} {held}{waited}. On TPU, submit the job to the RayCluster with its slice up; on this machine, "
+        "use --backend cpu --num-workers N"
+    )
+
+
 def await_workers(backend: str, workers: int, wait_s: float) -> None:
     """Return once the Ray cluster holds `workers` workers of `backend`, or raise JobInputError naming what is
     missing. Ray Train itself would retry placing them forever (FailureConfig.controller_failure_limit is -1:
@@ -189,14 +214,10 @@ def await_workers(backend: str, workers: int, wait_s: float) -> None:
         have = ray.cluster_resources()
         if all(have.get(k, 0.0) >= v for k, v in needed.items()):
             return
-        held = ", ".join(f"{k} {have.get(k, 0.0):g}" for k in needed)
         if time.monotonic() >= deadline:
             waited = f" after {wait_s:.0f} s" if wait_s else ""
-            raise JobInputError(
-                f"--backend {backend} needs {', '.join(f'{k} {v:g}' for k, v in needed.items())} for {workers} "
-                f"workers; this Ray cluster has {held}{waited}. On TPU, submit the job to the RayCluster with its "
-                "slice up; on this machine, use --backend cpu --num-workers N"
-            )
+            refuse_unless_held(backend, workers, have, "this Ray cluster has", waited)
+        held = ", ".join(f"{k} {have.get(k, 0.0):g}" for k in needed)
         if time.monotonic() - said >= 30:
             print(f"waiting for the Ray cluster to hold {workers} {backend} workers (it has {held})", flush=True)
             said = time.monotonic()
