@@ -75,30 +75,31 @@ def test_the_collectives_check_tries_new_workers_on_another_port_when_rank_0s_wa
 
 
 @pytest.fixture(scope="module")
-def dolly288(tmp_path_factory) -> str:
-    """Three times the tiny data: epochs of ~1.5 s, long enough to lose a worker in the middle of one."""
+def dolly432(tmp_path_factory) -> str:
+    """Four and a half times the tiny data: epochs of ~1.5 s on one worker, long enough to stop a job
+    after its first and to lose a worker in the middle of one."""
     from tiny_assets import make_dataset
 
-    return str(make_dataset(tmp_path_factory.mktemp("data") / "dolly288.jsonl", rows=288))
+    return str(make_dataset(tmp_path_factory.mktemp("data") / "dolly432.jsonl", rows=432))
 
 
 def finetune_args(tiny_assets, dataset: str, storage: Path, run_name: str) -> list[str]:
     return [
         "--backend", "cpu", "--num-workers", "1", "--batch-size", "8", "--model", tiny_assets["model"], "--dataset",
         dataset,
-        "--split", "train[:256]", "--seq-len", "128", "--lr", "1e-3", "--storage-path", str(storage),
+        "--split", "train[:384]", "--seq-len", "128", "--lr", "1e-3", "--storage-path", str(storage),
         "--run-name", run_name, "--log-every", "1", "--eval-samples", "0",  # (the README's run has samples)
         "--eval-tasks", "none",  # (and the before/after evaluation)
     ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_assets, dolly288) -> list[dict]:
+def reference(tiny_assets, dolly432) -> list[dict]:
     """The uninterrupted run the resumed one must match: the same settings on a gloo rank in a process of its
     own (the same per-worker code, without Ray), 3 epochs."""
     from tests.inprocess import settings, train_ranks
 
-    config = settings({"model": tiny_assets["model"], "dataset": dolly288}, "--split", "train[:256]",
+    config = settings({"model": tiny_assets["model"], "dataset": dolly432}, "--split", "train[:384]",
                       "--batch-size", "8")  # fmt: skip
     return train_ranks(config, world=1, epochs=3)["history"]
 
@@ -108,7 +109,7 @@ def losses(history: list[dict], key: str = "loss") -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def resumed(ray_head, tiny_assets, dolly288, tmp_path_factory) -> dict:
+def resumed(ray_head, tiny_assets, dolly432, tmp_path_factory) -> dict:
     """Job 1 is stopped (as the job resource stops one at its timeout) once epoch 1's checkpoint is in.
     Job 2, the same command, resumes from job 1's last checkpoint; once it has trained a few steps
     more, its RayTrainWorkers are sent SIGTERM (as by hand, or by a cluster without the pods' preStop
@@ -129,20 +130,21 @@ def resumed(ray_head, tiny_assets, dolly288, tmp_path_factory) -> dict:
 
     storage = tmp_path_factory.mktemp("ckpt")
     client = job_client.connect(local_target(ray_head.dashboard_url))
-    command = "python ray_train_llm_finetune.py " + " ".join(finetune_args(tiny_assets, dolly288, storage, "run"))
+    command = "python ray_train_llm_finetune.py " + " ".join(finetune_args(tiny_assets, dolly432, storage, "run"))
 
     def submit(name: str) -> str:
         return client.submit_job(entrypoint=command, submission_id=f"{name}-{uuid.uuid4().hex[:8]}",
                                  runtime_env={"working_dir": str(JOBS_DIR), "excludes": UPLOAD_EXCLUDES})  # fmt: skip
 
-    def wait_for(done, job_id: str, deadline: float) -> None:
+    def wait_for(done, job_id: str, deadline: float, every_s: float = 1.0) -> None:
         while not done():
             assert time.monotonic() < deadline and not client.get_job_status(job_id).is_terminal(), job_id
-            time.sleep(1)  # (each look at the logs fetches them whole from the head: not too often)
+            time.sleep(every_s)  # (each look at the logs fetches them whole from the head: not too often)
 
     first = submit("stopped")
     snapshot, deadline = storage / "run" / "checkpoint_manager_snapshot.json", time.monotonic() + 120
-    wait_for(lambda: snapshot.exists() and "checkpoint_epoch_0001" in snapshot.read_text(), first, deadline)
+    # (a local file: looked at often, so the stop lands in epoch 2, or at worst epoch 3, as a stop by hand would)
+    wait_for(lambda: snapshot.exists() and "checkpoint_epoch_0001" in snapshot.read_text(), first, deadline, 0.1)
     client.stop_job(first)
     while not client.get_job_status(first).is_terminal():
         time.sleep(0.2)
