@@ -162,7 +162,7 @@ def resumed(ray_head, tiny_assets, dolly432, tmp_path_factory) -> dict:
         filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE"), ("job_id", "=", job)],
     )
     resumed_at = stopped_after * int(re.search(r"(\d+) steps an epoch", client.get_job_logs(second))[1])
-    wait_for(lambda: f"step {resumed_at + 2}/" in client.get_job_logs(second), second, time.monotonic() + 120)
+    wait_for(lambda: f"step {resumed_at + 2}/" in client.get_job_logs(second), second, time.monotonic() + 120, 0.5)
     for worker in workers:
         os.kill(worker.pid, signal.SIGTERM)
     while not client.get_job_status(second).is_terminal():
@@ -187,9 +187,11 @@ def test_a_stopped_run_resumes_exactly_in_a_new_job_and_a_lost_worker_is_replace
     steps = [int(m) for m in re.findall(r"step (\d+)/\d+ \(", resumed["logs"].split("(attempt 2)", 1)[1])]
     assert len(steps) - len(set(steps)) <= 1 and max(steps) > resumed["resumed_at"] + 2  # at most one step again
     history = resumed["result"]["history"]
-    # job 2 went on from job 1's last checkpoint (attempt 2), its restart from job 2's stop save (attempt 3)
-    after = resumed["stopped_after"]
-    assert [h["attempt"] for h in history] == [1] * after + [3] * (3 - after)
+    # job 2 went on from job 1's last checkpoint (attempt 2), its restart from job 2's stop save (attempt 3); the
+    # SIGTERM is sent two steps into job 2, and on a busy machine lands in the epoch after that one
+    after, attempts = resumed["stopped_after"], [h["attempt"] for h in history]
+    assert attempts[:after] == [1] * after and attempts[-1] == 3 and attempts == sorted(attempts), attempts
+    assert set(attempts[after:]) <= {2, 3}
     assert losses(history) == pytest.approx(losses(reference), rel=1e-4)
     assert losses(history, "eval_loss") == pytest.approx(losses(reference, "eval_loss"), rel=1e-4)
 
