@@ -189,16 +189,23 @@ def private_ray_resources(num_cpus: int) -> dict[str, float]:
     return ResourceAndLabelSpec(num_cpus=num_cpus).resolve(is_head=True, node_ip_address="127.0.0.1").to_resource_dict()
 
 
-def refuse_unless_held(backend: str, workers: int, have: dict[str, float], holder: str, waited: str = "") -> None:
-    """Raise JobInputError naming what `workers` workers of `backend` need and `have` lacks."""
+def shortfall(backend: str, workers: int, have: dict[str, float]) -> str | None:
+    """None when `have` holds `workers` workers of `backend`; else what it holds of what they need ("TPU 0")."""
     needed = {k: v * workers for k, v in worker_resources(backend).items()}
     if all(have.get(k, 0.0) >= v for k, v in needed.items()):
+        return None
+    return ", ".join(f"{k} {have.get(k, 0.0):g}" for k in needed)
+
+
+def refuse_unless_held(backend: str, workers: int, have: dict[str, float], holder: str, waited: str = "") -> None:
+    """Raise JobInputError naming what `workers` workers of `backend` need and `have` lacks."""
+    held = shortfall(backend, workers, have)
+    if held is None:
         return
-    held = ", ".join(f"{k} {have.get(k, 0.0):g}" for k in needed)
+    needed = ", ".join(f"{k} {v * workers:g}" for k, v in worker_resources(backend).items())
     raise JobInputError(
-        f"--backend {backend} needs {', '.join(f'{k} {v:g}' for k, v in needed.items())} for {workers} workers; "
-        f"{holder} {held}{waited}. On TPU, submit the job to the RayCluster with its slice up; on this machine, "
-        "use --backend cpu --num-workers N"
+        f"--backend {backend} needs {needed} for {workers} workers; {holder} {held}{waited}. On TPU, submit the "
+        "job to the RayCluster with its slice up; on this machine, use --backend cpu --num-workers N"
     )
 
 
@@ -208,16 +215,16 @@ def await_workers(backend: str, workers: int, wait_s: float) -> None:
     ray/train/v2/api/config.py), a minute at a time, or ~180 times a second for a slice it cannot reserve."""
     import ray
 
-    needed = {k: v * workers for k, v in worker_resources(backend).items()}
     deadline, said = time.monotonic() + wait_s, 0.0
     while True:
         have = ray.cluster_resources()
-        if all(have.get(k, 0.0) >= v for k, v in needed.items()):
+        held = shortfall(backend, workers, have)
+        if held is None:
             return
         if time.monotonic() >= deadline:
-            waited = f" after {wait_s:.0f} s" if wait_s else ""
-            refuse_unless_held(backend, workers, have, "this Ray cluster has", waited)
-        held = ", ".join(f"{k} {have.get(k, 0.0):g}" for k in needed)
+            refuse_unless_held(
+                backend, workers, have, "this Ray cluster has", f" after {wait_s:.0f} s" if wait_s else ""
+            )
         if time.monotonic() - said >= 30:
             print(f"waiting for the Ray cluster to hold {workers} {backend} workers (it has {held})", flush=True)
             said = time.monotonic()
