@@ -98,16 +98,22 @@ def real_share(assets: dict[str, str], seq_len: int) -> float:
     return real_token_share(docs, seq_len)
 
 
-def run_recipe(head, assets: dict[str, str], args: argparse.Namespace, name: str, flags: tuple[str, ...]) -> dict:
-    from infra.runner.ray_jobs import parse_result
-
-    argv = [
+def job_argv(assets: dict[str, str], args: argparse.Namespace, name: str, flags: tuple[str, ...]) -> list[str]:
+    """The job's flags for one of the bench's runs: the same model, data, seed and workers, then `flags`."""
+    return [
         "--backend", "cpu", "--num-workers", str(args.workers), "--model", assets["model"],
         "--dataset", assets["dataset"], "--split", f"train[:{args.rows}]", "--epochs", str(args.epochs),
         "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--lr", args.lr, "--seed", "42",
         "--storage-path", str(args.out / "runs"), "--run-name", f"{re.sub(r'[^a-z]+', '-', name)}-{time.time_ns()}",
         "--eval-samples", "0", "--eval-tasks", "none", *flags,  # training throughput: no answers are measured
     ]  # fmt: skip
+
+
+def run_recipe(head, assets: dict[str, str], args: argparse.Namespace, name: str, flags: tuple[str, ...]) -> dict:
+    """The real job on `head` with `job_argv`'s flags; its JOB_RESULT_JSON."""
+    from infra.runner.ray_jobs import parse_result
+
+    argv = job_argv(assets, args, name, flags)
     print(f"running {name} ({' '.join(flags)}) ...", flush=True)
     done = subprocess.run(
         [sys.executable, str(JOB), *argv], env=head.client_env(), capture_output=True, text=True, timeout=1800

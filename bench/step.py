@@ -10,8 +10,13 @@
    and transformers' own packed-row check (two reads a forward). On CPU a read costs nothing; on TorchTPU's
    fused eager mode each one ends the fused program, which is why the count is the figure.
 
+With --in-process both compile runs train on one gloo rank in this process instead (the job's settings from the
+same flags, its TrainingRun and epoch metrics; no Ray, so no Ray Train workers' costs in the step): a quick look,
+and the suite's smoke.
+
     python -m bench.step                     # about two minutes on 2 cores
     python -m bench.step --size tiny --rows 48 --epochs 1 --steps 4   # a smoke run
+    python -m bench.step --size tiny --rows 48 --epochs 1 --steps 4 --in-process   # a smoke run without Ray
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
-from bench.finetune import ROOT, make_assets, run_recipe, table
+from bench.finetune import ROOT, job_argv, make_assets, run_recipe, table
 
 COMPILE = {"eager": ("--no-compile",), "compile": ("--compile",)}
 COMPILE_ROWS = [("step_time_s", ".3f", True), ("real_tokens_per_s", ",.0f", True), ("loss", ".4f", False)]
@@ -38,7 +44,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", default="1e-3")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=8, help="steps whose device reads are counted")
+    p.add_argument("--in-process", action="store_true", help="the compile runs on one gloo rank here, without Ray")
     return p.parse_args(argv)
+
+
+@contextmanager
+def one_gloo_rank():
+    """This process as the only rank of a gloo group, as a Ray Train worker of a one-worker run is."""
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as rendezvous:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}/pg", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def run_here(assets: dict[str, str], args: argparse.Namespace, name: str, flags: tuple[str, ...]) -> dict:
+    """A run of `job_argv`'s flags on one gloo rank in this process: the job's settings, model, data, TrainingRun
+    and epoch metrics (training/worker_hooks.py), without Ray or checkpoints. {"metrics", "history"} as in the
+    job's result."""
+    import torch
+
+    from config.command_line import from_args, parse_args
+    from runtime.backend import get_backend
+    from training.model import adamw, build_model
+    from training.objectives import training_data
+    from training.recipe import Schedule
+    from training.training_run import Hooks, Progress, TrainingRun, resumed_state
+    from training.worker_hooks import epoch_metrics
+
+    settings = from_args(parse_args(job_argv(assets, args, name, flags)))
+    print(f"running {name} ({' '.join(flags)}) in this process ...", flush=True)
+    with one_gloo_rank():
+        torch.manual_seed(settings.seed)
+        trainee = build_model(settings, get_backend("cpu"), "float32", 1, None)
+        data = training_data(settings, trainee.tokenizer, 0, 1)
+        schedule = Schedule.planned(settings, data.steps)
+
+        def metrics(epoch: int, trained: dict, held_out: dict, elapsed: float) -> dict:
+            return epoch_metrics(settings, epoch, trained, held_out, elapsed, 1)
+
+        hooks = Hooks(lambda *_: None, metrics, Progress(10**9, schedule.total_steps, 0))
+        run = TrainingRun(trainee, adamw(trainee, settings), data, schedule, settings, torch.device("cpu"), 0, 1, hooks)
+        history = list(run.run(resumed_state({}, 1)).history)
+    return {"metrics": history[-1], "history": history}
 
 
 class Reads:
@@ -119,15 +171,8 @@ def reads_per_step(assets: dict[str, str], steps: int, put_back: bool) -> float:
 
 
 def count_reads(assets: dict[str, str], steps: int) -> dict[str, float]:
-    import torch.distributed as dist
-
-    with tempfile.TemporaryDirectory() as rendezvous:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}/pg", rank=0, world_size=1)
-        try:
-            return {"now": reads_per_step(assets, steps, False), "before": reads_per_step(assets, steps, True)}
-        finally:
-            dist.destroy_process_group()
+    with one_gloo_rank():
+        return {"now": reads_per_step(assets, steps, False), "before": reads_per_step(assets, steps, True)}
 
 
 def main(argv: list[str] | None = None, head=None) -> dict:
@@ -139,12 +184,17 @@ def main(argv: list[str] | None = None, head=None) -> dict:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     assets = make_assets(args.out, args.size, args.rows)
-    with nullcontext(head) if head else LocalRayHead(num_cpus=args.workers, log_dir=args.out) as head:
-        runs = {name: run_recipe(head, assets, args, name, flags) for name, flags in COMPILE.items()}
+    if args.in_process:
+        args.workers = 1
+        runs = {name: run_here(assets, args, name, flags) for name, flags in COMPILE.items()}
+    else:
+        with nullcontext(head) if head else LocalRayHead(num_cpus=args.workers, log_dir=args.out) as head:
+            runs = {name: run_recipe(head, assets, args, name, flags) for name, flags in COMPILE.items()}
     eager, compiled = runs.values()
     ratio = compiled["metrics"]["step_time_s"] / eager["metrics"]["step_time_s"]
     reads = count_reads(assets, args.steps)
-    print(f"\n--compile against eager, {args.size} Gemma 4, {args.workers} CPU workers (inductor), batch "
+    where = "one gloo rank in this process" if args.in_process else f"{args.workers} CPU workers"
+    print(f"\n--compile against eager, {args.size} Gemma 4, {where} (inductor), batch "
           f"{args.batch_size}/worker, seq {args.seq_len}, packed rows\n")  # fmt: skip
     print(table(runs, COMPILE_ROWS))
     print(f"\ncompiles after the first step: {[h['recompiles'] for h in compiled['history']]} (one per epoch)")
