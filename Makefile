@@ -17,7 +17,7 @@ $(INSTALLED): requirements.txt
 lint: $(INSTALLED)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/hadolint image/Dockerfile
+	$(BIN)/hadolint image/Dockerfile image/serve/Dockerfile
 	$(BIN)/check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
 	$(BIN)/python -m infra.pulumi_yaml --check
 

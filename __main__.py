@@ -2,8 +2,8 @@
 
 Reads the stack's config once, then declares, in order: the APIs, the GKE cluster
 (and a node pool per TPU slice in Standard mode), the checkpoint bucket (and a dataset file uploaded
-into it), the image, the Kubernetes access, the RayCluster, and last the jobs that
-fine-tune on it.
+into it), the image, the Kubernetes access, the RayCluster, the jobs that fine-tune on it, and with `serve` the
+endpoint that serves the result (its own TPU pool and RayService).
 The `local` stack declares only the jobs, against a Ray head on this machine.
 """
 
@@ -18,6 +18,7 @@ from infra.resources.dataset import DatasetFile, DatasetFileArgs
 from infra.resources.kube import KubernetesAccess, KubernetesAccessArgs
 from infra.resources.raycluster import RayCluster, RayClusterArgs, RayClusterSpec, dashboard_command
 from infra.resources.registry import ImageRegistry, ImageRegistryArgs
+from infra.resources.serving import ServingEndpoint, ServingEndpointArgs, serving_pool_args, serving_spec
 from infra.resources.storage import CheckpointBucket, CheckpointBucketArgs
 from infra.training import TrainingJobs, gke_target, identity, local_target, training_props
 
@@ -70,7 +71,8 @@ else:
                ] if cfg.dataset_file else []  # fmt: skip
     registry = ImageRegistry(
         "registry",
-        ImageRegistryArgs(project=cfg.project, region=cfg.region, repository=cfg.repository, image_name=cfg.image_name),
+        ImageRegistryArgs(project=cfg.project, region=cfg.region, repository=cfg.repository, image_name=cfg.image_name,
+                          serving=cfg.serve is not None),
         opts=after_apis,
     )
     kube = KubernetesAccess(
@@ -104,6 +106,20 @@ else:
         training_props(cfg, target, gke.name, registry.image, identity=identity(cfg, bucket.member.member)),
         opts=pulumi.ResourceOptions(depends_on=[ray, *uploads]),
     )
+    if cfg.serve is not None:  # the run's export (or its starting model) behind an endpoint, once the run is done
+        spec = serving_spec(cfg, cfg.serve_name)
+        serving = ServingEndpoint(
+            "serving",
+            ServingEndpointArgs(
+                spec=spec,
+                image=registry.serve_image,
+                model_source=training.checkpoint if cfg.serve.what == "finetuned" else cfg.job.model,
+                pool=None if cfg.autopilot else serving_pool_args(cfg.serve, cfg.project, cfg.zone, gke.name),
+            ),
+            opts=pulumi.ResourceOptions(providers=[kube.provider], depends_on=[ray, training]),
+        )
+        pulumi.export("endpoint", serving.endpoint)
+        pulumi.export("servedModel", spec.model_name)
     pulumi.export("clusterName", gke.name)
     pulumi.export("kubeconfig", kube.kubeconfig)
     pulumi.export("bucket", bucket.url)

@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from infra import PROJECT, ROOT
+from infra import PROJECT, ROOT, serving_checks
 from infra import config_checks as checks
 from infra.capacity import SliceCapacity, flex_start_run_minutes
 from infra.config_reader import ConfigError, Reader, declared_keys, key, secret_keys
 from infra.job_config import job_settings
 from infra.job_modules import settings
+from infra.serving import ServeConfig
 from infra.tpu import TpuSlice
 
 __all__ = ["ConfigError", "StackConfig", "key", "load", "parse"]
@@ -54,6 +55,12 @@ class StackConfig:
     dataset_file: str  # a local file the stack uploads to its bucket ("" for none)
     collectives_workers: int  # local mode: the collectives check's CPU workers
     ray_address: str  # local mode only
+    serve: ServeConfig | None = None  # what the endpoint serves, on which host (None: serve off)
+
+    @property
+    def serve_name(self) -> str:
+        """The serving RayService: KubeRay names its Service `<this>-serve-svc`."""
+        return serving_checks.serve_name(self.ray_cluster_name)
 
     @property
     def local(self) -> bool:
@@ -124,6 +131,9 @@ def parse(
     checks.num_slices(r, job.num_slices, tpu_slice, mode, collectives_workers)
     checks.flex_start(r, kind, scale_to_zero, version, job_timeout, slice_ready_timeout)
     checks.spot_grace(r, kind, mode, version)
+    serve = serving_checks.serving(r, mode, tpu_slice, job)
+    if serve is not None and not local:
+        serving_checks.serve_name_length(r, names["ray_cluster_name"])
     price = checks.price(r)
     address = checks.ray_address(r) if local else r.value("rayAddress")
     if tpu_slice is not None and mode in checks.GKE_MODES and not r.problems:
@@ -139,7 +149,7 @@ def parse(
                        slice_ready_timeout_minutes=slice_ready_timeout, cluster_version=version, bucket_name=bucket,
                        job=job, job_timeout_minutes=job_timeout, dataset_file=dataset_file,
                        collectives_workers=collectives_workers, ray_address=address,
-                       head_cpus=r.positive("headCpus", minimum=0), **names, **switches)  # fmt: skip
+                       head_cpus=r.positive("headCpus", minimum=0), serve=serve, **names, **switches)  # fmt: skip
 
 
 def project_keys() -> set[str]:

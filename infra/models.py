@@ -45,6 +45,10 @@ MODELS: dict[str, ModelShape] = {
     )
 }  # fmt: skip
 
+# Each size's context in tokens: 128K for E2B and E4B, 256K for 26B-A4B and 31B (the Gemma 4 model card, "Context
+# windows", read 2026-12): the longest serveMaxModelLen the stack accepts.
+CONTEXT_TOKENS = {"E2B": 131_072, "E4B": 131_072, "26B-A4B": 262_144, "31B": 262_144}
+
 # google/gemma-4-E2B-it, google/gemma-4-31B (base or -it): the same weights' shapes.
 _HUB_ID = re.compile(r"^google/gemma-4-(E2B|E4B|26B-A4B|31B)(-it)?$", re.IGNORECASE)
 
@@ -89,3 +93,19 @@ def memory_plan_output(job, tpu_slice, num_slices: int = 1) -> dict:
                 "prints its plan from the model's config.json (memory_plan_gib, each epoch)"}  # fmt: skip
     return {"model": job.model, "slice": f"{tpu_slice.generation.name} {tpu_slice.topology}",
             "devices": tpu_slice.devices, "slices": num_slices, "estimate": True, **planned.as_output()}  # fmt: skip
+
+
+def serving_plan(model_ref: str, host, max_model_len: int) -> MemoryPlan | None:
+    """Serving's plan per device on a ServingHost (infra/tpu.py) for a size the table knows; None for another."""
+    model = known_model(model_ref)
+    return None if model is None else plans.serving_plan(model, host.devices, max_model_len, host.hbm_gib_per_device)
+
+
+def smallest_serving_host(model_ref: str, generation, max_model_len: int):
+    """The smallest single-host shape of `generation` whose serving plan fits (the first, for a model the table
+    does not know); None when none does."""
+    from infra.tpu import serving_hosts
+
+    hosts = serving_hosts(generation)
+    fitting = [h for h in hosts if (p := serving_plan(model_ref, h, max_model_len)) is None or p.fits]
+    return fitting[0] if fitting else None

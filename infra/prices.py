@@ -170,7 +170,48 @@ def unknown_run(cfg: StackConfig) -> str:
 
 
 def cost_estimate(cfg: StackConfig) -> dict:
-    """The `costEstimate` output: the slices' price per hour and what the configured run should cost."""
+    """The `costEstimate` output: the slices' price per hour and what the configured run should cost; with
+    `serve`, the serving host's price per hour beside it."""
+    out = training_estimate(cfg)
+    if cfg.serve is not None and cfg.serve.host is not None:
+        out["serving"] = serving_estimate(cfg)
+    return out
+
+
+# A serving replica's cold start (node, image pull, weights, XLA precompile), in minutes: published numbers (../shared
+# FACTS; issue 45), not measured here. Billed like any other minute of the host.
+COLD_START_MINUTES = (10.0, 25.0)
+
+
+def serving_estimate(cfg: StackConfig) -> dict:
+    """What the endpoint bills by the hour: each replica's single TPU host at the serving capacity's price."""
+    from infra.resources.serving import IDLE_TIMEOUT_S
+
+    serve, host = cfg.serve, cfg.serve.host
+    price = (Price(cfg.price_per_chip_hour, "pricePerChipHour (stack config)", "") if cfg.price_per_chip_hour
+             is not None else PRICES.get((host.generation.name, serve.capacity)))  # fmt: skip
+    out = {"host": f"{host.generation.name} {host.topology} ({host.machine_type})", "capacity": serve.capacity,
+           "chips_per_replica": host.chips, "replicas": [serve.min_replicas, serve.max_replicas],
+           "bills": (f"each replica's TPU host, from its node's start (a cold start of {COLD_START_MINUTES[0]:.0f}-"
+                     f"{COLD_START_MINUTES[1]:.0f} minutes: node, image, weights, compile) until the autoscaler "
+                     f"removes it, {IDLE_TIMEOUT_S // 60} minutes after Serve scales the replica away; "
+                     + ("nothing between requests (serveMinReplicas 0) but the serving head pod"
+                        if serve.min_replicas == 0 else f"{serve.min_replicas} host(s) always, until destroy"))}  # fmt: skip
+    if price is None:
+        return out | {"usd_per_hour_per_replica": None,
+                      "note": f"no public price for {host.generation.name} {serve.capacity}: set pricePerChipHour"}  # fmt: skip
+    per_replica = host.chips * price.usd_per_chip_hour
+    return out | {
+        "usd_per_chip_hour": price.usd_per_chip_hour, "price_source": price.source, "price_read": price.read,
+        "usd_per_hour_per_replica": round(per_replica, 2),
+        "usd_per_hour_idle": round(per_replica * serve.min_replicas, 2),
+        "usd_per_hour_at_most": round(per_replica * serve.max_replicas, 2),
+        "usd_per_cold_start": [round(per_replica * m / 60, 2) for m in COLD_START_MINUTES],
+    }  # fmt: skip
+
+
+def training_estimate(cfg: StackConfig) -> dict:
+    """The slices' price per hour and what the configured run should cost."""
     if cfg.local:
         return {"estimate": True, "usd_per_hour": None, "note": "mode local runs no TPU slice"}
     price, chips = price_of(cfg), cfg.chips

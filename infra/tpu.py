@@ -14,6 +14,29 @@ GENERATIONS, TpuGeneration = tpu_generations.GENERATIONS, tpu_generations.TpuGen
 is_topology, chips_of = tpu_generations.is_topology, tpu_generations.chips_of
 
 
+def ray_start_params(generation: TpuGeneration, devices_per_host: int) -> dict[str, str]:
+    """A TPU worker group's rayStartParams: where Ray cannot count chiplets from google.com/tpu (KubeRay would
+    advertise its 4 chips), the TPU resource per host.
+
+    In rayStartParams, not the group's `resources` field: that field first appears in KubeRay v1.5.0
+    (ray-project/kuberay#4106), an older operator's CRD has no such field, and v1.7.0 refuses the two
+    together (ray-operator/controllers/ray/utils/validation.go, validateRayGroupResources). The value is
+    quoted as KubeRay's own conversion writes it (pod.go, updateRayStartParamsResources: '{"TPU":8}'):
+    the pod's bash takes the quotes, and KubeRay's parser (getResourcesMap, which trims them) and Ray's
+    autoscaler (kuberay/autoscaling_config.py, _get_custom_resources, which drops the outer pair) read it.
+    """
+    if generation.devices_per_chip == 1:
+        return {}
+    return {"resources": "'" + json.dumps({"TPU": devices_per_host}, separators=(",", ":")) + "'"}
+
+
+def ray_env(generation: TpuGeneration) -> list[dict]:
+    """Ray's TPU resource per chip where a chip is several devices (Ironwood's chiplets)."""
+    if generation.devices_per_chip == 1:
+        return []
+    return [{"name": "RAY_TPU_RESOURCE_PER_CHIP", "value": str(generation.devices_per_chip)}]
+
+
 @dataclass(frozen=True)
 class TpuSlice:
     """One multi-host slice: a generation and one of its topologies."""
@@ -47,25 +70,11 @@ class TpuSlice:
 
     @property
     def ray_start_params(self) -> dict[str, str]:
-        """The worker group's rayStartParams: where Ray cannot count chiplets from google.com/tpu (KubeRay would
-        advertise its 4 chips), the TPU resource per host.
-
-        In rayStartParams, not the group's `resources` field: that field first appears in KubeRay v1.5.0
-        (ray-project/kuberay#4106), an older operator's CRD has no such field, and v1.7.0 refuses the two
-        together (ray-operator/controllers/ray/utils/validation.go, validateRayGroupResources). The value is
-        quoted as KubeRay's own conversion writes it (pod.go, updateRayStartParamsResources: '{"TPU":8}'):
-        the pod's bash takes the quotes, and KubeRay's parser (getResourcesMap, which trims them) and Ray's
-        autoscaler (kuberay/autoscaling_config.py, _get_custom_resources, which drops the outer pair) read it.
-        """
-        if self.generation.devices_per_chip == 1:
-            return {}
-        return {"resources": "'" + json.dumps({"TPU": self.devices_per_host}, separators=(",", ":")) + "'"}
+        return ray_start_params(self.generation, self.devices_per_host)
 
     @property
     def ray_env(self) -> list[dict]:
-        if self.generation.devices_per_chip == 1:
-            return []
-        return [{"name": "RAY_TPU_RESOURCE_PER_CHIP", "value": str(self.generation.devices_per_chip)}]
+        return ray_env(self.generation)
 
     @property
     def worker_resources(self) -> dict[str, str]:
@@ -86,3 +95,57 @@ class TpuSlice:
             "cloud.google.com/gke-tpu-accelerator": self.generation.gke_accelerator,
             "cloud.google.com/gke-tpu-topology": self.topology,
         }
+
+
+@dataclass(frozen=True)
+class ServingHost:
+    """One single-host TPU shape of a generation (its `serving_shapes`): what a serving replica runs on, every chip
+    of one VM, with vLLM's tensor parallelism over its devices."""
+
+    generation: TpuGeneration
+    topology: str
+    machine_type: str
+
+    @property
+    def chips(self) -> int:
+        return chips_of(self.topology)
+
+    @property
+    def devices(self) -> int:
+        return self.chips * self.generation.devices_per_chip
+
+    @property
+    def hbm_gib_per_device(self) -> float:
+        return self.generation.hbm_gib_per_chip / self.generation.devices_per_chip
+
+    @property
+    def worker_group(self) -> str:
+        return f"{self.generation.name}-serve-{self.devices}"
+
+    @property
+    def ray_start_params(self) -> dict[str, str]:
+        return ray_start_params(self.generation, self.devices)
+
+    @property
+    def ray_env(self) -> list[dict]:
+        return ray_env(self.generation)
+
+    @property
+    def pod_resources(self) -> dict[str, str]:
+        """A replica's pod: every chip of the VM, and the host CPU and memory in the chips' share of the training
+        host's pod (TpuGeneration.host_cpu, host_memory_gi: a 4-chip host's), so a 1-chip VM's pod fits on it."""
+        g, share = self.generation, self.chips / self.generation.chips_per_host
+        return {"cpu": str(max(4, int(g.host_cpu * share))), "memory": f"{max(16, int(g.host_memory_gi * share))}Gi",
+                "google.com/tpu": str(self.chips)}  # fmt: skip
+
+    @property
+    def node_selector(self) -> dict[str, str]:
+        return {
+            "cloud.google.com/gke-tpu-accelerator": self.generation.gke_accelerator,
+            "cloud.google.com/gke-tpu-topology": self.topology,
+        }
+
+
+def serving_hosts(generation: TpuGeneration) -> list[ServingHost]:
+    """The generation's single-host shapes, smallest first."""
+    return [ServingHost(generation, topology, machine) for topology, machine in generation.serving_shapes]

@@ -29,6 +29,7 @@ class Registered:
     name: str
     inputs: dict
     raw: dict  # the request as the engine receives it, secrets still wrapped
+    dependencies: list[str] = field(default_factory=list)  # the URNs it waits for
 
 
 class StackMocks(pulumi_mocks.Mocks):
@@ -74,7 +75,7 @@ class RecordingMonitor(pulumi_mocks.MockMonitor):
         if request.type != "pulumi:pulumi:Stack":
             inputs = pulumi.runtime.rpc.deserialize_properties(request.object)
             raw = json_format.MessageToDict(request.object)
-            self.registered.append(Registered(request.type, request.name, inputs, raw))
+            self.registered.append(Registered(request.type, request.name, inputs, raw, list(request.dependencies)))
         return response
 
 
@@ -143,6 +144,11 @@ def stack_config(stack: str, **overrides: str | None) -> dict[str, str]:
 
 def run_program(stack: str, config: dict[str, str]) -> Run:
     pulumi.runtime.set_all_config(config, ["gemma-tpu:hfToken"])
+    # A new stack each run: set_mocks keeps the root resource of an earlier run in this thread, outputs and all
+    # (pulumi/runtime/mocks.py, set_mocks: a Stack only `if get_root_resource() is None`).
+    from pulumi.runtime.settings import ROOT as root_resource
+
+    root_resource.set(None)
     mocks = StackMocks()
     monitor = RecordingMonitor(mocks)
     pulumi.runtime.set_mocks(mocks, project="gemma-tpu", stack=stack, preview=False, monitor=monitor)

@@ -68,6 +68,7 @@ def test_checkpoint_write_bench_smoke_prints_the_ratio(capsys):
     assert out["ratio"] > 0 and "the jobs' / defaults" in printed and "MB/s" in printed
 
 
+@pytest.mark.slow  # inductor compiling, tens of seconds
 def test_step_bench_smoke_prints_the_compile_ratio_and_the_reads_per_step(tmp_path, capsys):
     # In this process (--in-process: the job's TrainingRun on one gloo rank; the job itself on Ray is the bench
     # smoke's above), at the rows' shape of test_recipe's compile test ([2, 128], the tiny model): inductor's on-disk

@@ -50,8 +50,9 @@ def test_uris_get_their_scheme_back():
 
 
 def pins(path: Path) -> dict[str, str]:
+    """Each pinned distribution's version, by name without its extras (the images take fewer of Ray's)."""
     lines = [line.split("#")[0].strip() for line in path.read_text().splitlines()]
-    return dict(line.split("==") for line in lines if "==" in line)
+    return {name.split("[")[0]: version for name, version in (line.split("==") for line in lines if "==" in line)}
 
 
 def test_gs_checkpoints_go_through_the_gcsfs_the_image_installs():

@@ -1,4 +1,4 @@
-"""The Artifact Registry repository and the Ray + TorchTPU image built into it."""
+"""The Artifact Registry repository and the images built into it: Ray + TorchTPU for training, and with serving\nvLLM TPU + Ray Serve LLM."""
 
 from __future__ import annotations
 
@@ -22,12 +22,16 @@ def image_ref(region: str, project: str, repository: str, image_name: str, tag: 
     return f"{registry_host(region)}/{project}/{repository}/{image_name}:{tag}"
 
 
+SERVE_IMAGE_DIR = IMAGE_DIR / "serve"
+
+
 @dataclass(frozen=True, kw_only=True)
 class ImageRegistryArgs:
     project: str
     region: str
     repository: str
     image_name: str
+    serving: bool = False  # also the serving image (vLLM TPU + Ray Serve LLM, image/serve/), as IMAGE_NAME-serve
 
 
 class ImageRegistry(pulumi.ComponentResource):
@@ -47,22 +51,26 @@ class ImageRegistry(pulumi.ComponentResource):
             opts=child,
         )
         token = gcp.organizations.get_client_config_output().access_token
-        self.built = docker.Image(
-            f"{name}-image",
-            image_name=image_ref(region, project, repository, image_name),
-            build={
-                "context": str(IMAGE_DIR),
-                "dockerfile": str(IMAGE_DIR / "Dockerfile"),
-                "platform": "linux/amd64",
-            },
-            # Previews (and CI) never need a Docker daemon; `up` builds and pushes.
-            build_on_preview=False,
-            registry={
-                "server": registry_host(region),
-                "username": "oauth2accesstoken",
-                "password": pulumi.Output.secret(token),
-            },
-            opts=child.merge(pulumi.ResourceOptions(depends_on=[self.repository])),
-        )
+
+        def image(resource_name: str, ref: str, context: Path) -> docker.Image:
+            return docker.Image(
+                resource_name,
+                image_name=ref,
+                build={"context": str(context), "dockerfile": str(context / "Dockerfile"), "platform": "linux/amd64"},
+                # Previews (and CI) never need a Docker daemon; `up` builds and pushes.
+                build_on_preview=False,
+                registry={
+                    "server": registry_host(region),
+                    "username": "oauth2accesstoken",
+                    "password": pulumi.Output.secret(token),
+                },
+                opts=child.merge(pulumi.ResourceOptions(depends_on=[self.repository])),
+            )
+
+        self.built = image(f"{name}-image", image_ref(region, project, repository, image_name), IMAGE_DIR)
         self.image = self.built.repo_digest
-        self.register_outputs({"image": self.image})
+        self.serve_image = None
+        if args.serving:
+            serve_ref = image_ref(region, project, repository, f"{image_name}-serve")
+            self.serve_image = image(f"{name}-serve-image", serve_ref, SERVE_IMAGE_DIR).repo_digest
+        self.register_outputs({"image": self.image, "serveImage": self.serve_image})

@@ -78,6 +78,7 @@ def sequences_per_record(objective: str) -> int:
 class MemoryPlan:
     parts: dict[str, float]  # GiB per device
     hbm_gib: float | None  # the device's memory (None: unknown, as on CPU)
+    headroom: float = HEADROOM  # the share of it left free
 
     @property
     def total_gib(self) -> float:
@@ -85,7 +86,7 @@ class MemoryPlan:
 
     @property
     def usable_gib(self) -> float | None:
-        return None if self.hbm_gib is None else self.hbm_gib * (1 - HEADROOM)
+        return None if self.hbm_gib is None else self.hbm_gib * (1 - self.headroom)
 
     @property
     def fits(self) -> bool:
@@ -130,6 +131,27 @@ def plan(model: ModelShape, workload: Workload, hbm_gib: float | None = None) ->
         "logits": logits,
     }
     return MemoryPlan({k: v / GIB for k, v in parts.items()}, hbm_gib)
+
+
+# vLLM TPU's share of a device for the weights and the KV cache (its gpu_memory_utilization); the rest is XLA's
+# workspace. tpu-inference's own CI serves Gemma 4 E4B at 0.85 on one v6e chip, E2B at 0.94, and 0.98 runs out of
+# memory in the decode precompile (.buildkite/models/google_gemma-4-E2B-it.yml, google_gemma-4-E4B-it.yml).
+SERVE_MEMORY_UTILIZATION = 0.85
+# Sequences of the full context the plan keeps room for at once (the served evaluation's and make bench's 8
+# concurrent requests); vLLM gives the KV cache whatever else is free and queues what does not fit.
+SERVE_SEQUENCES = 8
+
+
+def serving_plan(model: ModelShape, devices: int, max_model_len: int, hbm_gib: float | None = None,
+                 sequences: int = SERVE_SEQUENCES) -> MemoryPlan:  # fmt: skip
+    """Bytes per device of serving `model` in bf16 with its weights and KV cache split over `devices` (tensor
+    parallelism): every parameter (the per-layer table too), and keys and values for `sequences` sequences of
+    `max_model_len` tokens in each layer that keeps its own (KV-shared layers keep none; a sliding-window layer is
+    counted at full length, vLLM's bound before its hybrid allocator trims it)."""
+    w = 2
+    kv_per_token = 2 * model.kv_width * model.layers * w
+    parts = {"weights": model.params * w / devices, "kv_cache": kv_per_token * max_model_len * sequences / devices}
+    return MemoryPlan({k: v / GIB for k, v in parts.items()}, hbm_gib, headroom=1 - SERVE_MEMORY_UTILIZATION)
 
 
 def remedy(model: ModelShape, workload: Workload, hbm_gib: float, topologies: dict[str, int],

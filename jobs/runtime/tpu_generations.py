@@ -34,6 +34,8 @@ class TpuGeneration:
     # Ironwood places multi-host slices with a HIGH_THROUGHPUT workload policy
     # (a compute resource policy carrying the accelerator topology).
     uses_workload_policy: bool = False
+    # The single-host shapes a serving pool may take, smallest first: topology -> GKE machine type.
+    serving_shapes: tuple[tuple[str, str], ...] = ()
 
     @property
     def placement_type(self) -> str:
@@ -69,6 +71,9 @@ GENERATIONS: dict[str, TpuGeneration] = {
             peak_bf16_tflops_per_chip=918,
             # cloud.google.com/tpu/docs/tpu7x: "HBM capacity per chip (GiB)": v6e 32, TPU7x 192
             hbm_gib_per_chip=32,
+            # cloud.google.com/tpu/docs/v6e, "Supported configurations" (read 2026-12): 1x1 ct6e-standard-1t and
+            # 2x2 ct6e-standard-4t (sub-host), 2x4 ct6e-standard-8t (single host), each "Supports inference? Yes"
+            serving_shapes=(("1x1", "ct6e-standard-1t"), ("2x2", "ct6e-standard-4t"), ("2x4", "ct6e-standard-8t")),
         ),
         TpuGeneration(
             name="tpu7x",
@@ -87,6 +92,8 @@ GENERATIONS: dict[str, TpuGeneration] = {
             peak_bf16_tflops_per_chip=2307,  # both chiplets together
             hbm_gib_per_chip=192,
             uses_workload_policy=True,
+            # GKE's "Plan TPUs" page (read 2026-12): TPU7x's one single-host shape is 2x2x1, one tpu7x-standard-4t VM
+            serving_shapes=(("2x2x1", "tpu7x-standard-4t"),),
         ),
     )
 }

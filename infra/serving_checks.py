@@ -1,0 +1,102 @@
+"""The serving keys' checks (serve, serveTopology, serveMaxModelLen, the replicas, the capacity, the RayService's
+name): each adds what it finds wrong to the reader's problems, with the stack's other checks
+(infra/config_checks.py), so every problem is reported together before any resource exists."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from infra.config_reader import Reader, key
+from infra.serving import SERVE_CAPACITIES, SERVE_CHOICES, ServeConfig
+from infra.tpu import ServingHost, TpuSlice, serving_hosts
+
+
+def serving(r: Reader, mode: str, tpu_slice: TpuSlice | None, job) -> ServeConfig | None:
+    """serve and its keys: what to serve, the single-host shape (given, or the smallest the serving plan fits), the
+    context, the replicas, the capacity; None with serve off. Local mode serves on CPU, one replica."""
+    what = r.value("serve")
+    if what not in SERVE_CHOICES:
+        r.problem(f"{key('serve')}: {what!r} is not a choice; allowed: {', '.join(SERVE_CHOICES)}")
+        return None
+    max_len, most, least = r.positive("serveMaxModelLen"), r.positive("serveReplicas"), r.typed("serveMinReplicas", int)
+    timeout, capacity = r.positive("serveReadyTimeoutMinutes"), r.value("serveCapacity")
+    if what == "off":
+        return None
+    if capacity not in SERVE_CAPACITIES:
+        r.problem(
+            f"{key('serveCapacity')}: {capacity!r} is not a serving capacity; allowed: {', '.join(SERVE_CAPACITIES)}"
+        )
+    if least is not None and not 0 <= least <= most:
+        r.problem(f"{key('serveMinReplicas')}: {least} must be from 0 (no replica, and no TPU node, while nobody calls "
+                  f"it) to {key('serveReplicas')} {most}")  # fmt: skip
+    context = serving_context(r, job)
+    if context and max_len > context:
+        r.problem(f"{key('serveMaxModelLen')}: {max_len} is longer than {job.model}'s context of {context:,} tokens; "
+                  f"set it to {context} or less")  # fmt: skip
+    if mode == "local":
+        for name in ("serveTopology", "serveCapacity"):
+            if r.raw.get(name) not in (None, "", r.decl[name].get("default")):
+                r.problem(f"{key(name)}: local mode serves on this machine's CPU; unset it (pulumi config rm {name})")
+        return ServeConfig(what, None, max_len, 1, 1, "onDemand", timeout)
+    host = serving_host(r, tpu_slice, job.model, max_len) if tpu_slice is not None and not r.problems else None
+    return ServeConfig(what, host, max_len, least or 0, most, capacity, timeout)
+
+
+def serving_context(r: Reader, job) -> int | None:
+    """The served model's context: the size table's for a Gemma 4 hub id, a local directory's config.json's
+    max_position_embeddings; None when unknown at preview."""
+    import json
+
+    from infra.models import CONTEXT_TOKENS, known_model
+
+    model = known_model(job.model)
+    if model is not None:
+        return CONTEXT_TOKENS[model.name]
+    config = Path(job.model).expanduser() / "config.json"
+    if not config.is_file():
+        return None
+    found = json.loads(config.read_text())
+    return (found.get("text_config") or found).get("max_position_embeddings")
+
+
+def serving_host(r: Reader, tpu_slice: TpuSlice, model_ref: str, max_len: int) -> ServingHost | None:
+    """serveTopology, one of the generation's single-host shapes whose serving plan fits; unset, the smallest that
+    does. A shape too small is refused naming the plan and the shape that fits."""
+    from infra.models import serving_plan, smallest_serving_host
+
+    generation, given = tpu_slice.generation, r.value("serveTopology")
+    hosts = {h.topology: h for h in serving_hosts(generation)}
+    fits = smallest_serving_host(model_ref, generation, max_len)
+    if given and given not in hosts:
+        r.problem(f"{key('serveTopology')}: {given!r} is not a single-host {generation.name} shape; allowed: "
+                  f"{', '.join(hosts)}")  # fmt: skip
+        return None
+    host = hosts[given] if given else fits
+    planned = serving_plan(model_ref, host or serving_hosts(generation)[-1], max_len)
+    if host is None or (planned is not None and not planned.fits):
+        shape = host or serving_hosts(generation)[-1]
+        advice = (f"serveTopology: {fits.topology} fits" if fits else
+                  f"no single {generation.name} host holds it at this length; a shorter serveMaxModelLen may")  # fmt: skip
+        r.problem(f"{key('serveTopology' if given else 'serveMaxModelLen')}: serving {model_ref} at {max_len:,} tokens "
+                  f"needs about {planned.total_gib:.1f} GiB per device on {generation.name} {shape.topology} "
+                  f"({planned.hbm_gib:g} GiB a device, {planned.usable_gib:.1f} for vLLM): "
+                  f"{', '.join(f'{k} {v:.1f}' for k, v in planned.parts.items())}; {advice}")  # fmt: skip
+        return None
+    return host
+
+
+# KubeRay refuses a longer RayService name (ray-operator/controllers/ray/utils/constant.go, v1.7.0:
+# MaxRayServiceNameLength = MaxRayClusterNameLength 53 - 6, for the RayCluster names it derives).
+MAX_RAY_SERVICE_NAME = 47
+
+
+def serve_name(ray_cluster_name: str) -> str:
+    return f"{ray_cluster_name}-llm"
+
+
+def serve_name_length(r: Reader, ray_cluster_name: str) -> None:
+    name = serve_name(ray_cluster_name)
+    if len(name) > MAX_RAY_SERVICE_NAME:
+        r.problem(f"{key('rayClusterName')}: {ray_cluster_name!r} makes the serving RayService {name!r}, longer than "
+                  f"KubeRay's {MAX_RAY_SERVICE_NAME} characters; shorten it to "
+                  f"{MAX_RAY_SERVICE_NAME - len('-llm')} or fewer")  # fmt: skip
