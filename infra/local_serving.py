@@ -1,0 +1,207 @@
+"""Serving rehearsed on CPU: a run's export behind the Serve application the RayService runs (infra/serving.py's
+serve_application, the same function), on a Ray of its own started from the serving venv (.venv-serve), asked a chat
+completion, and its held-out tasks scored through the endpoint with lm-eval's local-completions beside the run's own
+scores (jobs/rescore.py --endpoint). `make local` ends with it; by hand, after make local:
+
+    python -m infra.local_serving .local/ray_results/RUN        # the run directory make local printed
+
+The wait for the endpoint is the stack's (wait_until_ready): bounded, with progress lines, and a server that never
+answers fails naming the wait and showing the end of the server's log; the server and its Ray are stopped whatever
+happens (nothing of it is left running).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from infra import ROOT
+from infra.serving import ServeConfig, serve_application, served_model_name
+
+SERVE_PYTHON = ROOT / ".venv-serve" / "bin" / "python"
+READY_TIMEOUT_S = 600  # the tiny model on CPU: about a minute; a busy machine several
+MAX_MODEL_LEN = 512
+
+
+class ServerNotReady(RuntimeError):
+    """The endpoint did not list the model in time, or its server ended first."""
+
+
+def listed_models(url: str, timeout_s: float = 5.0) -> list[str]:
+    """The model ids GET {url}/models lists; [] while the server is not answering."""
+    try:
+        with urllib.request.urlopen(f"{url}/models", timeout=timeout_s) as response:
+            return [m["id"] for m in json.load(response).get("data", [])]
+    except (urllib.error.URLError, OSError, ValueError):
+        return []
+
+
+def wait_until_ready(url: str, model: str, timeout_s: float, *, alive: Callable[[], bool] = lambda: True,
+                     log_tail: Callable[[], str] = lambda: "", say: Callable[[str], None] = print,
+                     every_s: float = 1.0, report_every_s: float = 15.0) -> float:  # fmt: skip
+    """Waits until {url}/models lists `model` and a one-token completion answers (a replica is up, not only the
+    ingress); returns the seconds it took. A progress line every `report_every_s`; raises ServerNotReady with the
+    end of the server's log when `alive()` turns false or `timeout_s` passes."""
+    started = last_report = time.monotonic()
+    while True:
+        if model in listed_models(url) and completes(url, model):  # (the first completion waits for the replica)
+            waited = time.monotonic() - started
+            say(f"serving: {model} answers at {url} after {waited:.0f}s")
+            return waited
+        waited = time.monotonic() - started
+        if not alive():
+            raise ServerNotReady(f"the server for {model} ended after {waited:.0f}s without answering at {url}; "
+                                 f"the end of its log:\n{log_tail()}")  # fmt: skip
+        if waited > timeout_s:
+            raise ServerNotReady(f"{model} did not answer at {url} within {timeout_s:.0f}s (a cold start: the "
+                                 f"weights loaded, the engine compiled); the end of the server's log:\n{log_tail()}")  # fmt: skip
+        if time.monotonic() - last_report >= report_every_s:
+            say(f"serving: waiting for {model} at {url} ({waited:.0f}s of at most {timeout_s:.0f}s)")
+            last_report = time.monotonic()
+        time.sleep(every_s)
+
+
+def post(url: str, body: dict, timeout_s: float = 120.0) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return json.load(response)
+
+
+def completes(url: str, model: str) -> bool:
+    try:
+        return bool(post(f"{url}/completions", {"model": model, "prompt": "Hi", "max_tokens": 1}, 60)["choices"])
+    except (urllib.error.URLError, OSError, ValueError, KeyError):
+        return False
+
+
+def chat(url: str, model: str, text: str, max_tokens: int = 32) -> str:
+    """One greedy chat completion's answer."""
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0}  # fmt: skip
+    return post(f"{url}/chat/completions", body)["choices"][0]["message"]["content"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
+
+
+@contextmanager
+def local_endpoint(export_dir: str, name: str, log_path: Path, timeout_s: float = READY_TIMEOUT_S,
+                   say: Callable[[str], None] = print) -> Iterator[str]:  # fmt: skip
+    """`export_dir` served as `name` by infra/serve_local.py in the serving venv, on a Ray of its own; yields the
+    endpoint's /v1 URL once it answers, and stops the server and every process of its Ray on the way out."""
+    if not SERVE_PYTHON.exists():
+        raise FileNotFoundError(
+            f"{SERVE_PYTHON} is missing: `make local` makes the serving venv (requirements-serve.txt)"
+        )
+    serve = ServeConfig("finetuned", None, MAX_MODEL_LEN, 1, 1, "onDemand", int(timeout_s // 60))
+    port, ray_tmp = free_port(), Path(tempfile.mkdtemp(prefix="rs", dir="/tmp"))  # short: Ray's socket paths
+    app_file = log_path.with_suffix(".app.json")
+    app_file.write_text(json.dumps(serve_application(serve, name, export_dir), indent=2))
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "VIRTUAL_ENV")} | {
+        "RAY_TMPDIR": str(ray_tmp)
+    }
+    say(f"serving: {name} from {export_dir} on a Ray of its own (the app: {app_file}; log: {log_path})")
+    with open(log_path, "w") as log:
+        server = subprocess.Popen([str(SERVE_PYTHON), "-m", "infra.serve_local", "--app", str(app_file), "--port",
+                                   str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        wait_until_ready(url, name, timeout_s, alive=lambda: server.poll() is None, log_tail=lambda: tail(log_path),
+                         say=say)  # fmt: skip
+        yield url
+    finally:
+        stop(server, ray_tmp)
+
+
+def stop(server: subprocess.Popen, ray_tmp: Path) -> None:
+    """SIGTERM to the server (it shuts Serve and its Ray down), then whatever of its Ray is left, by its temp dir."""
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    subprocess.run(["pkill", "-9", "-f", str(ray_tmp)], capture_output=True)
+
+
+# How far a served score may be from the job's own before it is a problem: on CPU both are fp32 over the same
+# tokens, so only the order of float sums differs (measured: equal to 6 decimals).
+SERVED_REL_TOL = 1e-4
+
+
+def served_scores(run_dir: str, url: str, name: str) -> list[tuple]:
+    """jobs/rescore.py's rows for the run's tasks through the endpoint: (task, metric, the job's score of the
+    fine-tune, the served one's)."""
+    import infra.job_modules  # noqa: F401  (jobs/ on the path, as the job modules are imported)
+    import rescore
+
+    return rescore.rescore(run_dir, "", "cpu", "float32", 8, url, name)
+
+
+def rehearse(run_dir: str, say: Callable[[str], None] = print) -> dict:
+    """The run's export served, a chat completion, its held-out tasks scored through the endpoint."""
+    export = str(Path(run_dir) / "model")
+    name = served_model_name(export, "finetuned")
+    logs = ROOT / ".local" / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with local_endpoint(export, name, logs / "serve.log", say=say) as url:
+        answer = chat(url, name, "Say hello.")
+        say(f"serving: chat completion from {name}: {answer!r}")
+        rows = served_scores(run_dir, url, name)
+    return {"url": url, "model": name, "answer": answer, "scores": rows, "problems": served_problems(rows)}
+
+
+def served_problems(rows: list[tuple]) -> list[str]:
+    """The served scores that disagree with the job's beyond SERVED_REL_TOL, named."""
+    import infra.job_modules  # noqa: F401
+    import rescore
+
+    return [f"the served score disagrees with the in-job one: {d}" for d in rescore.disagreements(rows, SERVED_REL_TOL)]
+
+
+def print_served(served: dict) -> None:
+    import infra.job_modules  # noqa: F401
+    import rescore
+
+    print(
+        f"\nServed ({served['model']} at {served['url']}, now stopped; the job's score `run`, the endpoint's `here`):"
+    )
+    print(f"  chat:        {served['answer']!r}")
+    for row in served["scores"]:
+        print(f"  {rescore.line(row)}")
+    for problem in served["problems"]:
+        print(f"  problem: {problem}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", help="a run directory: its model/ (the export), evaluation.json and heldout/")
+    args = parser.parse_args(argv)
+    served = rehearse(args.run)
+    print_served(served)
+    if served["problems"]:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

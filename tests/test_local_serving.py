@@ -1,0 +1,113 @@
+"""Serving's wait and checks, against stand-in servers on 127.0.0.1: a replica slow to come, one that never comes, a
+server that ends; the served scores' agreement with the job's; the rehearsal's application is the RayService's."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from infra.local_serving import ServerNotReady, wait_until_ready
+
+
+@contextmanager
+def stand_in(model: str, ready_after_s: float | None):
+    """An OpenAI-compatible stand-in: /v1/models lists `model` at once (the ingress is up), /v1/completions answers
+    503 until `ready_after_s` (the replica's cold start; None: never)."""
+    started = time.monotonic()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def reply(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self.reply(200, {"data": [{"id": model}]} if self.path == "/v1/models" else {})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            up = ready_after_s is not None and time.monotonic() - started >= ready_after_s
+            self.reply(200, {"choices": [{"text": "!"}]}) if up else self.reply(503, {"error": "no replica yet"})
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_wait_ends_once_a_slow_replica_answers_and_says_how_it_goes():
+    said: list[str] = []
+    with stand_in("m-finetuned", ready_after_s=1.0) as url:
+        waited = wait_until_ready(url, "m-finetuned", 30, say=said.append, every_s=0.1, report_every_s=0.3)
+    assert 1.0 <= waited < 10
+    assert any(s.startswith(f"serving: waiting for m-finetuned at {url} (") for s in said)  # progress while it waits
+    assert said[-1].startswith(f"serving: m-finetuned answers at {url} after")
+
+
+def test_a_replica_that_never_comes_fails_in_bounded_time_with_the_servers_log():
+    """The ingress lists the model, but no replica ever answers: the wait ends at its bound, with the log's end."""
+    with stand_in("m", ready_after_s=None) as url:
+        started = time.monotonic()
+        with pytest.raises(ServerNotReady, match=r"m did not answer at .* within 1s .*\nvLLM: out of memory"):
+            wait_until_ready(url, "m", 1.0, log_tail=lambda: "vLLM: out of memory", say=lambda _: None, every_s=0.1)
+        assert time.monotonic() - started < 5
+
+
+def test_a_server_that_ends_fails_the_wait_at_once():
+    with stand_in("other", ready_after_s=0) as url:  # (a server that lists another model: never ready for this one)
+        started = time.monotonic()
+        with pytest.raises(ServerNotReady, match=r"the server for m ended after \d+s .*\nTraceback: no weights"):
+            wait_until_ready(url, "m", 60, alive=lambda: False, log_tail=lambda: "Traceback: no weights",
+                             say=lambda _: None)  # fmt: skip
+        assert time.monotonic() - started < 5
+
+
+def test_a_served_score_off_by_more_than_the_noise_is_named():
+    import infra.job_modules  # noqa: F401
+    import rescore
+    from infra.local_serving import SERVED_REL_TOL, served_problems
+
+    rows = [("heldout", "rouge_l", 0.083008, 0.083008), ("heldout_loss", "loss", 4.479853, 4.479853 + 1e-5)]
+    assert served_problems(rows) == []
+    off = [*rows, ("heldout_loss", "loss", 4.479853, 4.479853 * (1 + 10 * SERVED_REL_TOL))]
+    assert served_problems(off) == [
+        "the served score disagrees with the in-job one: heldout_loss loss: 4.484333 here, 4.479853 in the run"
+    ]
+    assert rescore.disagreements([("heldout", "chrf", 21.1, None)], 1e-4) == [
+        "heldout chrf: - here, 21.100000 in the run"
+    ]
+
+
+def test_the_rehearsal_serves_the_ray_services_application_on_cpu():
+    """The same function, the same app: only what vLLM runs on differs (CPU: fp32 as the job's scores, one CPU
+    bundle; TPU: bf16, tensor parallel over the host, its accelerator type)."""
+    from infra.job_modules import tpu_generations
+    from infra.serving import ServeConfig, serve_application
+    from infra.tpu import serving_hosts
+
+    host = serving_hosts(tpu_generations.GENERATIONS["v6e"])[0]
+    cpu = serve_application(ServeConfig("finetuned", None, 512, 1, 1, "onDemand", 10), "m", "/run/model")
+    tpu = serve_application(ServeConfig("finetuned", host, 512, 1, 1, "onDemand", 10), "m", "/run/model")
+    (cpu_llm,), (tpu_llm,) = cpu["args"].pop("llm_configs"), tpu["args"].pop("llm_configs")
+    assert (
+        cpu == tpu == {"name": "llm", "route_prefix": "/", "import_path": "ray.serve.llm:build_openai_app", "args": {}}
+    )
+    common = ("model_loading_config", "deployment_config")
+    assert {k: cpu_llm[k] for k in common} == {k: tpu_llm[k] for k in common}
+    assert cpu_llm["engine_kwargs"]["hf_overrides"] == tpu_llm["engine_kwargs"]["hf_overrides"]
+    assert (cpu_llm["engine_kwargs"]["dtype"], tpu_llm["engine_kwargs"]["dtype"]) == ("float32", "bfloat16")
+    assert cpu_llm["placement_group_config"] == {"bundles": [{"CPU": 1}]} and "accelerator_type" not in cpu_llm
