@@ -71,8 +71,13 @@ else:
                ] if cfg.dataset_file else []  # fmt: skip
     registry = ImageRegistry(
         "registry",
-        ImageRegistryArgs(project=cfg.project, region=cfg.region, repository=cfg.repository, image_name=cfg.image_name,
-                          serving=cfg.serve is not None),
+        ImageRegistryArgs(
+            project=cfg.project,
+            region=cfg.region,
+            repository=cfg.repository,
+            image_name=cfg.image_name,
+            serving=cfg.serve is not None,
+        ),
         opts=after_apis,
     )
     kube = KubernetesAccess(
@@ -113,10 +118,14 @@ else:
             ServingEndpointArgs(
                 spec=spec,
                 image=registry.serve_image,
-                model_source=training.checkpoint if cfg.serve.what == "finetuned" else cfg.job.model,
+                model_source=cfg.serve.model
+                or (training.checkpoint if cfg.serve.what == "finetuned" else cfg.job.model),
                 pool=None if cfg.autopilot else serving_pool_args(cfg.serve, cfg.project, cfg.zone, gke.name),
             ),
-            opts=pulumi.ResourceOptions(providers=[kube.provider], depends_on=[ray, training]),
+            # after the run whose export it serves (an export named by serveModel exists already)
+            opts=pulumi.ResourceOptions(
+                providers=[kube.provider], depends_on=[ray] + ([] if cfg.serve.model else [training])
+            ),
         )
         pulumi.export("endpoint", serving.endpoint)
         pulumi.export("servedModel", spec.model_name)

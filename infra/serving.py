@@ -50,6 +50,7 @@ class ServeConfig:
     max_replicas: int
     capacity: str  # onDemand or spot
     ready_timeout_minutes: int  # a replica's cold start, bounded
+    model: str = ""  # serveModel: an export to serve instead of the run's ("" the run's, or with base its start)
 
     @property
     def chips(self) -> int:

@@ -33,13 +33,58 @@ def serving(r: Reader, mode: str, tpu_slice: TpuSlice | None, job) -> ServeConfi
     if context and max_len > context:
         r.problem(f"{key('serveMaxModelLen')}: {max_len} is longer than {job.model}'s context of {context:,} tokens; "
                   f"set it to {context} or less")  # fmt: skip
+    model = served_model(r, what)
     if mode == "local":
         for name in ("serveTopology", "serveCapacity"):
             if r.raw.get(name) not in (None, "", r.decl[name].get("default")):
                 r.problem(f"{key(name)}: local mode serves on this machine's CPU; unset it (pulumi config rm {name})")
-        return ServeConfig(what, None, max_len, 1, 1, "onDemand", timeout)
+        return ServeConfig(what, None, max_len, 1, 1, "onDemand", timeout, model)
     host = serving_host(r, tpu_slice, job.model, max_len) if tpu_slice is not None and not r.problems else None
-    return ServeConfig(what, host, max_len, least or 0, most, capacity, timeout)
+    return ServeConfig(what, host, max_len, least or 0, most, capacity, timeout, model)
+
+
+# What a directory vLLM serves must hold: the config, the weights, the tokenizer (an export writes all three).
+EXPORT_PARTS = {
+    "config.json": lambda names: "config.json" in names,
+    "weights (*.safetensors)": lambda names: any(n.endswith(".safetensors") for n in names),
+    "tokenizer (tokenizer.json or tokenizer_config.json)": lambda names: bool(
+        {"tokenizer.json", "tokenizer_config.json"} & names
+    ),
+}
+
+
+def served_model(r: Reader, what: str) -> str:
+    """serveModel: with serve finetuned, an export that exists now, local or gs://, holding EXPORT_PARTS; "" none."""
+    given = r.value("serveModel")
+    if not given:
+        return ""
+    if what != "finetuned":
+        r.problem(f"{key('serveModel')}: names an export to serve with serve finetuned; with serve {what} the "
+                  f"model key's model is served (unset serveModel, or set serve finetuned)")  # fmt: skip
+        return ""
+    names = export_files(given)
+    if names is None:
+        r.problem(f"{key('serveModel')}: {given!r} does not exist (yet): name a directory a run has written "
+                  "(<run>/model), or unset serveModel to serve this run's export once it is done")  # fmt: skip
+        return ""
+    missing = [part for part, present in EXPORT_PARTS.items() if not present(names)]
+    if missing:
+        r.problem(f"{key('serveModel')}: {given!r} has no {' and no '.join(missing)}; vLLM cannot serve it: name a "
+                  "run's export (<run>/model), which holds them all")  # fmt: skip
+        return ""
+    return given if given.startswith("gs://") else str(Path(given).expanduser().resolve())
+
+
+def export_files(directory: str) -> set[str] | None:
+    """The file names directly in `directory` (local or gs://), or None when it does not exist."""
+    import pyarrow.fs
+
+    from infra.job_modules import storage
+
+    fs, path = storage.filesystem(directory)
+    if fs.get_file_info(path).type != pyarrow.fs.FileType.Directory:
+        return None
+    return {info.base_name for info in fs.get_file_info(pyarrow.fs.FileSelector(path))}
 
 
 def serving_context(r: Reader, job) -> int | None:

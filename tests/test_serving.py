@@ -300,3 +300,54 @@ def test_a_bad_serving_value_is_refused_by_name_before_any_resource(keys, named)
     if "needs about" in named:  # with the plan's parts and the way out
         assert "weights" in str(err.value) and "kv_cache" in str(err.value)
         assert "serveTopology: 2x2 fits" in str(err.value) or "shorter serveMaxModelLen" in str(err.value)
+
+
+def test_an_export_to_serve_must_exist_with_its_weights_and_tokenizer(tmp_path, tiny_assets):
+    """serveModel, checked at preview: a directory that is not there (yet), one without weights or tokenizer, and
+    one given with serve base are refused by name; a whole export is served as it is, without waiting for a run."""
+    (tmp_path / "config-only").mkdir()
+    (tmp_path / "config-only" / "config.json").write_text("{}")
+    refused = {
+        str(tmp_path / "run" / "model"): f"gemma-tpu:serveModel: '{tmp_path}/run/model' does not exist (yet)",
+        str(tmp_path / "config-only"): f"gemma-tpu:serveModel: '{tmp_path}/config-only' has no weights (*.safetensors)"
+        " and no tokenizer (tokenizer.json or tokenizer_config.json); vLLM cannot serve it",
+    }
+    for model, named in refused.items():
+        with pytest.raises(ConfigError, match=re.escape(named)):
+            run_program("v6e", stack_config("v6e", serve="finetuned", serveModel=model))
+    with pytest.raises(ConfigError, match="gemma-tpu:serveModel: names an export to serve with serve finetuned"):
+        run_program("v6e", stack_config("v6e", serve="base", serveModel=tiny_assets["model"]))
+    run = run_program("v6e", stack_config("v6e", serve="finetuned", serveModel=tiny_assets["model"]))
+    config = yaml.safe_load(run.one(RAY_SERVICE).inputs["spec"]["serveConfigV2"])
+    assert config["applications"][0]["args"]["llm_configs"][0]["model_loading_config"]["model_source"] == str(
+        Path(tiny_assets["model"]).resolve())  # fmt: skip
+    assert not any(urn.endswith("::training") for urn in run.one(RAY_SERVICE).dependencies)
+
+
+def test_an_export_in_a_bucket_is_looked_for_at_preview(storage, metadata_server):
+    """gs://: the same checks through the storage client the jobs use (here the GCS emulator)."""
+    from infra.job_modules import storage as clients
+
+    clients.gcs().pipe("gs://demo-data/runs/a/model/config.json", b"{}")
+    with pytest.raises(ConfigError, match=r"'gs://demo-data/runs/b/model' does not exist \(yet\)"):
+        run_program("v6e", stack_config("v6e", serveModel="gs://demo-data/runs/b/model", serve="finetuned"))
+    with pytest.raises(ConfigError, match=r"'gs://demo-data/runs/a/model' has no weights"):
+        run_program("v6e", stack_config("v6e", serveModel="gs://demo-data/runs/a/model", serve="finetuned"))
+
+
+@pytest.mark.parametrize("least", ["0", "1"])
+def test_with_a_minimum_of_zero_nothing_holds_a_tpu_host_once_the_endpoint_is_idle(least):
+    """The scale-down, link by link: Serve scales the replicas to serveMinReplicas, Ray's in-tree autoscaler then
+    removes the idle TPU pod (the group may go to that minimum), and GKE's autoscaler the node (the pool may go to 0).
+    With a minimum of 1, one replica, pod and node stay."""
+    run = served(serveMinReplicas=least, serveReplicas="2")
+    spec = run.one(RAY_SERVICE).inputs["spec"]
+    llm = yaml.safe_load(spec["serveConfigV2"])["applications"][0]["args"]["llm_configs"][0]
+    assert llm["deployment_config"]["autoscaling_config"] == {"min_replicas": int(least), "max_replicas": 2}
+    cluster = spec["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True and cluster["autoscalerOptions"]["idleTimeoutSeconds"] > 0
+    (group,) = cluster["workerGroupSpecs"]
+    assert (group["minReplicas"], group["replicas"], group["maxReplicas"]) == (int(least), int(least), 2)
+    pool = run.one(POOL, "serving-tpu").inputs
+    assert (pool["autoscaling"]["minNodeCount"], pool["autoscaling"]["maxNodeCount"]) == (0, 2)
+    assert "nodeCount" not in pool  # (the autoscaler's to set; Pulumi ignores it after creation)
