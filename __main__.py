@@ -20,12 +20,20 @@ from infra.resources.raycluster import RayCluster, RayClusterArgs, RayClusterSpe
 from infra.resources.registry import ImageRegistry, ImageRegistryArgs
 from infra.resources.serving import ServingEndpoint, ServingEndpointArgs, serving_pool_args, serving_spec
 from infra.resources.storage import CheckpointBucket, CheckpointBucketArgs
+from infra.served_evaluation import (
+    ServedEvaluation,
+    scored_through_endpoint,
+    served_props,
+    served_settings,
+    with_served,
+)
 from infra.training import TrainingJobs, gke_target, identity, local_target, training_props
 
 cfg, hf_token = config.load()
 
 if cfg.local:
     training = TrainingJobs("training", training_props(cfg, local_target(cfg.ray_address), "local", "local"))
+    evaluation = training.evaluation
 else:
     after_apis = pulumi.ResourceOptions(depends_on=ProjectApis("apis", ProjectApisArgs(project=cfg.project)).services)
     pool = None
@@ -111,6 +119,7 @@ else:
         training_props(cfg, target, gke.name, registry.image, identity=identity(cfg, bucket.member.member)),
         opts=pulumi.ResourceOptions(depends_on=[ray, *uploads]),
     )
+    evaluation = training.evaluation  # the job's before/after scores (and, with serve, the endpoint's beside them)
     if cfg.serve is not None:  # the run's export (or its starting model) behind an endpoint, once the run is done
         spec = serving_spec(cfg, cfg.serve_name)
         serving = ServingEndpoint(
@@ -129,6 +138,14 @@ else:
         )
         pulumi.export("endpoint", serving.endpoint)
         pulumi.export("servedModel", spec.model_name)
+        if scored_through_endpoint(cfg):  # the run's tasks through the endpoint, from the training head
+            run_dir = training.checkpoint.apply(lambda export: export.rsplit("/", 1)[0])
+            settings = served_settings(cfg, run_dir, serving.endpoint["url"], spec.model_name)
+            served = ServedEvaluation("served-evaluation", served_props(cfg, target, gke.name, registry.image, settings),
+                                      opts=pulumi.ResourceOptions(depends_on=[serving]))  # fmt: skip
+            evaluation = pulumi.Output.all(evaluation, served.scores).apply(
+                lambda found: with_served(found[0], found[1], base=cfg.serve.what == "base")
+            )
     pulumi.export("clusterName", gke.name)
     pulumi.export("kubeconfig", kube.kubeconfig)
     pulumi.export("bucket", bucket.url)
@@ -146,7 +163,7 @@ pulumi.export("metrics", training.metrics)
 pulumi.export("lossCurve", training.loss_curve)
 pulumi.export("samples", training.samples)
 pulumi.export("dataReport", training.data_report)
-pulumi.export("evaluation", training.evaluation)
+pulumi.export("evaluation", evaluation)
 pulumi.export("sliceHours", training.slice_hours)
 pulumi.export("collectives", training.collectives)
 pulumi.export("jobIds", training.job_ids)

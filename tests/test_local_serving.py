@@ -33,6 +33,12 @@ def stand_in(model: str, ready_after_s: float | None):
             self.wfile.write(data)
 
         def do_GET(self):
+            if self.path == "/api/serve/applications/":  # the serving Ray's dashboard: Serve's own account
+                deployment = {"status": "UNHEALTHY", "message": "replica failed: no TPU"}
+                self.reply(
+                    200, {"applications": {"llm": {"status": "DEPLOYING", "deployments": {"LLMServer": deployment}}}}
+                )
+                return
             self.reply(200, {"data": [{"id": model}]} if self.path == "/v1/models" else {})
 
         def do_POST(self):
@@ -111,3 +117,34 @@ def test_the_rehearsal_serves_the_ray_services_application_on_cpu():
     assert cpu_llm["engine_kwargs"]["hf_overrides"] == tpu_llm["engine_kwargs"]["hf_overrides"]
     assert (cpu_llm["engine_kwargs"]["dtype"], tpu_llm["engine_kwargs"]["dtype"]) == ("float32", "bfloat16")
     assert cpu_llm["placement_group_config"] == {"bundles": [{"CPU": 1}]} and "accelerator_type" not in cpu_llm
+
+
+def test_up_s_scoring_job_fails_in_bounded_time_naming_serves_own_status(capsys, tmp_path):
+    """rescore.py --endpoint --wait-s, as `up` submits it to the training head: an endpoint whose replica never
+    comes fails the job at the bound, with what Ray Serve says of its deployments (its dashboard's status)."""
+    import rescore
+
+    with stand_in("m", ready_after_s=None) as url:
+        dashboard = url.removesuffix("/v1")
+        started = time.monotonic()
+        code = rescore.main([str(tmp_path), "--endpoint", url, "--served-model", "m", "--wait-s", "1",
+                             "--serve-dashboard", dashboard])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and time.monotonic() - started < 10
+    assert "error: m did not answer at" in err and "LLMServer: UNHEALTHY replica failed: no TPU" in err
+
+
+def test_the_served_scores_sit_beside_the_jobs_in_the_evaluation_output():
+    from infra.served_evaluation import with_served
+
+    evaluation = {"tasks": {"heldout_loss": {"samples": 5, "metrics": {"loss": {"base": 4.6, "fine_tuned": 4.5}}}},
+                  "lm_eval_version": "0.4.13"}  # fmt: skip
+    scores = [{"task": "heldout_loss", "metric": "loss", "run": 4.5, "here": 4.50001}]
+    tuned = with_served(evaluation, scores, base=False)
+    assert tuned["tasks"]["heldout_loss"]["metrics"]["loss"] == {"base": 4.6, "fine_tuned": 4.5,
+                                                                 "served_fine_tuned": 4.50001}  # fmt: skip
+    assert (
+        with_served(evaluation, scores, base=True)["tasks"]["heldout_loss"]["metrics"]["loss"]["served_base"] == 4.50001
+    )
+    assert "served_fine_tuned" not in evaluation["tasks"]["heldout_loss"]["metrics"]["loss"]  # (a copy)
+    assert with_served(None, scores, base=False) is None and with_served(evaluation, None, base=False) is evaluation

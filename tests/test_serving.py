@@ -351,3 +351,21 @@ def test_with_a_minimum_of_zero_nothing_holds_a_tpu_host_once_the_endpoint_is_id
     pool = run.one(POOL, "serving-tpu").inputs
     assert (pool["autoscaling"]["minNodeCount"], pool["autoscaling"]["maxNodeCount"]) == (0, 2)
     assert "nodeCount" not in pool  # (the autoscaler's to set; Pulumi ignores it after creation)
+
+
+def test_up_scores_the_run_through_the_endpoint_from_the_training_head():
+    """The served evaluation: a job on the training cluster (its dashboard through the API server's proxy), after
+    the RayService, scoring the run's tasks through the in-cluster URL within serveReadyTimeoutMinutes; not with
+    serveModel (another run's tasks) or evalTasks none (no scores to compare)."""
+    run = served(serveReadyTimeoutMinutes="30")
+    evaluation = run.one(DYNAMIC, "served-evaluation")
+    settings, export = evaluation.inputs["settings"], export_of(run)
+    assert settings == {
+        "run": export.rsplit("/", 1)[0], "endpoint": run.outputs["endpoint"]["url"],
+        "served_model": "gemma-4-E2B-it-finetuned", "base": False, "wait_s": 1800, "tolerance": 0.02,
+        "serve_dashboard": "http://ray-torchtpu-cluster-llm-head-svc.default.svc.cluster.local:8265",
+    }  # fmt: skip
+    assert evaluation.inputs["target"] == run.one(DYNAMIC, "training").inputs["target"]  # the training head
+    assert any(urn.endswith("::serving") for urn in evaluation.dependencies)
+    assert served(serve="base").one(DYNAMIC, "served-evaluation").inputs["settings"]["base"] is True
+    assert not served(evalTasks="none").of_type(DYNAMIC, "served-evaluation")
