@@ -81,6 +81,10 @@ class LocalRayHead:
                 "--include-dashboard=true",
                 "--dashboard-host=127.0.0.1",
                 f"--dashboard-port={self.dashboard_port}",
+                # Its agent's HTTP port too: at Ray's default (52365), whichever Ray on this machine starts second
+                # (a by-hand run's, serving's, another checkout's) finds it taken and its agent serves no HTTP, and
+                # every job submitted to that head then fails ("Agent info not found"; measured in CI).
+                f"--dashboard-agent-listen-port={backend.free_port()}",
                 "--disable-usage-stats",
             ],
             env=self.env,
