@@ -38,8 +38,8 @@ def ray_env(generation: TpuGeneration) -> list[dict]:
 
 
 @dataclass(frozen=True)
-class TpuSlice:
-    """One multi-host slice: a generation and one of its topologies."""
+class TpuShape:
+    """A generation's chips in one topology: what a slice and a serving host both are."""
 
     generation: TpuGeneration
     topology: str
@@ -47,14 +47,6 @@ class TpuSlice:
     @property
     def chips(self) -> int:
         return chips_of(self.topology)
-
-    @property
-    def hosts(self) -> int:
-        return self.chips // self.generation.chips_per_host
-
-    @property
-    def devices_per_host(self) -> int:
-        return self.generation.chips_per_host * self.generation.devices_per_chip
 
     @property
     def devices(self) -> int:
@@ -65,16 +57,36 @@ class TpuSlice:
         return self.generation.hbm_gib_per_chip / self.generation.devices_per_chip
 
     @property
+    def ray_env(self) -> list[dict]:
+        return ray_env(self.generation)
+
+    @property
+    def node_selector(self) -> dict[str, str]:
+        return {
+            "cloud.google.com/gke-tpu-accelerator": self.generation.gke_accelerator,
+            "cloud.google.com/gke-tpu-topology": self.topology,
+        }
+
+
+@dataclass(frozen=True)
+class TpuSlice(TpuShape):
+    """One multi-host slice: a generation and one of its topologies."""
+
+    @property
+    def hosts(self) -> int:
+        return self.chips // self.generation.chips_per_host
+
+    @property
+    def devices_per_host(self) -> int:
+        return self.generation.chips_per_host * self.generation.devices_per_chip
+
+    @property
     def worker_group(self) -> str:
         return f"{self.generation.name}-{self.devices}"
 
     @property
     def ray_start_params(self) -> dict[str, str]:
         return ray_start_params(self.generation, self.devices_per_host)
-
-    @property
-    def ray_env(self) -> list[dict]:
-        return ray_env(self.generation)
 
     @property
     def worker_resources(self) -> dict[str, str]:
@@ -89,34 +101,13 @@ class TpuSlice:
     def shm_size(self) -> str:
         return f"{self.generation.shm_gi}Gi"
 
-    @property
-    def node_selector(self) -> dict[str, str]:
-        return {
-            "cloud.google.com/gke-tpu-accelerator": self.generation.gke_accelerator,
-            "cloud.google.com/gke-tpu-topology": self.topology,
-        }
-
 
 @dataclass(frozen=True)
-class ServingHost:
+class ServingHost(TpuShape):
     """One single-host TPU shape of a generation (its `serving_shapes`): what a serving replica runs on, every chip
     of one VM, with vLLM's tensor parallelism over its devices."""
 
-    generation: TpuGeneration
-    topology: str
     machine_type: str
-
-    @property
-    def chips(self) -> int:
-        return chips_of(self.topology)
-
-    @property
-    def devices(self) -> int:
-        return self.chips * self.generation.devices_per_chip
-
-    @property
-    def hbm_gib_per_device(self) -> float:
-        return self.generation.hbm_gib_per_chip / self.generation.devices_per_chip
 
     @property
     def worker_group(self) -> str:
@@ -127,23 +118,12 @@ class ServingHost:
         return ray_start_params(self.generation, self.devices)
 
     @property
-    def ray_env(self) -> list[dict]:
-        return ray_env(self.generation)
-
-    @property
     def pod_resources(self) -> dict[str, str]:
         """A replica's pod: every chip of the VM, and the host CPU and memory in the chips' share of the training
         host's pod (TpuGeneration.host_cpu, host_memory_gi: a 4-chip host's), so a 1-chip VM's pod fits on it."""
         g, share = self.generation, self.chips / self.generation.chips_per_host
         return {"cpu": str(max(4, int(g.host_cpu * share))), "memory": f"{max(16, int(g.host_memory_gi * share))}Gi",
                 "google.com/tpu": str(self.chips)}  # fmt: skip
-
-    @property
-    def node_selector(self) -> dict[str, str]:
-        return {
-            "cloud.google.com/gke-tpu-accelerator": self.generation.gke_accelerator,
-            "cloud.google.com/gke-tpu-topology": self.topology,
-        }
 
 
 def serving_hosts(generation: TpuGeneration) -> list[ServingHost]:
