@@ -33,7 +33,7 @@ cfg, hf_token = config.load()
 
 if cfg.local:
     training = TrainingJobs("training", training_props(cfg, local_target(cfg.ray_address), "local", "local"))
-    evaluation = training.evaluation
+    evaluation, serving_seconds = training.evaluation, None
 else:
     after_apis = pulumi.ResourceOptions(depends_on=ProjectApis("apis", ProjectApisArgs(project=cfg.project)).services)
     pool = None
@@ -120,6 +120,7 @@ else:
         opts=pulumi.ResourceOptions(depends_on=[ray, *uploads]),
     )
     evaluation = training.evaluation  # the job's before/after scores (and, with serve, the endpoint's beside them)
+    serving_seconds = None  # how long the endpoint's host ran for up's served evaluation
     if cfg.serve is not None:  # the run's export (or its starting model) behind an endpoint, once the run is done
         spec = serving_spec(cfg, cfg.serve_name)
         serving = ServingEndpoint(
@@ -146,6 +147,7 @@ else:
             evaluation = pulumi.Output.all(evaluation, served.scores).apply(
                 lambda found: with_served(found[0], found[1], base=cfg.serve.what == "base")
             )
+            serving_seconds = served.seconds
     pulumi.export("clusterName", gke.name)
     pulumi.export("kubeconfig", kube.kubeconfig)
     pulumi.export("bucket", bucket.url)
@@ -155,8 +157,8 @@ else:
 
 pulumi.export("memoryPlan", memory_plan_output(cfg.job, None if cfg.local else cfg.slice, cfg.num_slices))
 pulumi.export("costEstimate", cost_estimate(cfg))
-pulumi.export("cost", pulumi.Output.all(training.slice_hours, training.run_hours).apply(
-    lambda hours: run_cost(hours[0] or 0.0, hours[1] or 0.0, cfg)))  # fmt: skip
+pulumi.export("cost", pulumi.Output.all(training.slice_hours, training.run_hours, serving_seconds).apply(
+    lambda hours: run_cost(hours[0] or 0.0, hours[1] or 0.0, cfg, hours[2])))  # fmt: skip
 pulumi.export("checkpoint", training.checkpoint)
 pulumi.export("checkpoints", training.checkpoints)
 pulumi.export("metrics", training.metrics)

@@ -143,6 +143,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="a run directory: its model/ (the export), evaluation.json and heldout/")
     args = parser.parse_args(argv)
+    missing = [name for name in ("model/config.json", "evaluation.json") if not (Path(args.run) / name).is_file()]
+    if missing:
+        parser.error(f"{args.run} has no {' and no '.join(missing)}: give the directory a fine-tune printed before "
+                     "/model (its run), once the run has ended with an evaluation (--eval-tasks not none)")  # fmt: skip
     served = rehearse(args.run)
     print_served(served)
     if served["problems"]:

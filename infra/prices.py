@@ -281,9 +281,29 @@ def always_on_text(estimate: dict) -> str:
             "covered by a monthly credit) and the Ray head")  # fmt: skip
 
 
-def run_cost(slice_host_hours: float, run_hours: float, cfg: StackConfig) -> dict:
+def serving_cost(cfg: StackConfig, seconds: float) -> dict:
+    """What the endpoint's host billed for `up`: the served evaluation's `seconds` (its wait for a replica, then the
+    scoring), and with serveMinReplicas 0 the autoscaler's idle timeout before it removes the host."""
+    from infra.resources.serving import IDLE_TIMEOUT_S
+
+    serve = cfg.serve
+    tail = IDLE_TIMEOUT_S if serve.min_replicas == 0 else 0
+    hours = (seconds + tail) / 3600
+    estimate = serving_estimate(cfg)
+    out = {"host_hours": round(hours, 4), "chips": serve.host.chips,
+           "note": ("the serving host from up's first request to its scale-down" if tail else
+                    f"up's part only: {serve.min_replicas} host(s) bill until destroy (serveMinReplicas)")
+           + "; requests after up bill their own hosts"}  # fmt: skip
+    rate = estimate.get("usd_per_chip_hour")
+    return out | {"usd": None if rate is None else round(hours * serve.host.chips * rate, 2)}
+
+
+def run_cost(slice_host_hours: float, run_hours: float, cfg: StackConfig, serving_seconds: float | None = None) -> dict:
     """The `cost` output: what the run's slice cost (host-hours from the scale-up request to the scale-down),
-    beside the walkthrough's always-on slice for at least the same wall time."""
+    beside the walkthrough's always-on slice for at least the same wall time; with a served evaluation, what the
+    endpoint's host cost for it."""
+    if serving_seconds is not None and cfg.serve is not None and cfg.serve.host is not None:
+        return run_cost(slice_host_hours, run_hours, cfg) | {"serving": serving_cost(cfg, serving_seconds)}
     price = None if cfg.local else price_of(cfg)
     always_on = run_hours * cfg.chips
     chip_hours = slice_host_hours * cfg.slice.generation.chips_per_host if cfg.capacity.scale_to_zero else always_on

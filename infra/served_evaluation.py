@@ -20,7 +20,7 @@ from infra.runner.job_client import connect, default_log
 from infra.runner.resilience import GoogleTokens
 from infra.training import RETRY_BUDGET_S, diff_props, sigterm_as_interrupt
 
-OUTPUT_KEYS = ("scores", "problems", "job_id")
+OUTPUT_KEYS = ("scores", "problems", "job_id", "seconds")
 # bf16 on the serving engine against bf16 under FSDP in the job: a different order of every sum. An assumption,
 # not measured on a TPU (on CPU, both fp32, the scores agree to 6 decimals: infra/local_serving.SERVED_REL_TOL).
 TPU_REL_TOL = 0.02
@@ -57,14 +57,15 @@ def rescore_spec(settings: dict) -> ray_jobs.JobSpec:
 
 
 def score_through_endpoint(props: dict, log=default_log) -> dict:
-    """The scoring job, found, attached to or submitted, and its result: {"scores", "problems", "job_id"}."""
+    """The scoring job, found, attached to or submitted, and its result: {"scores", "problems", "job_id", "seconds"
+    (the wait for a replica and the scoring: what the serving host ran for up)}."""
     policy = ray_jobs.retry_policy(props)
     tokens = GoogleTokens() if props["target"]["kind"] == "gke" else None
     client = connect(props["target"], tokens, policy, log)
     result, job_id = ray_jobs.run_job(client, props, rescore_spec(props["settings"]), policy, lambda: None, log)
     for problem in result["problems"]:
         log(f"[served-evaluation] problem: the served score disagrees with the run's: {problem}")
-    return {"scores": result["scores"], "problems": result["problems"], "job_id": job_id}
+    return {"scores": result["scores"], "problems": result["problems"], "job_id": job_id, "seconds": result["seconds"]}
 
 
 def with_served(evaluation: dict | None, scores: list[dict] | None, base: bool) -> dict | None:
@@ -94,9 +95,10 @@ class _ServedEvaluationProvider(dynamic.ResourceProvider):
 
 
 class ServedEvaluation(dynamic.Resource):
-    """Outputs: scores (task, metric, the run's, the endpoint's), problems, job_id."""
+    """Outputs: scores (task, metric, the run's, the endpoint's), problems, job_id, seconds."""
 
     scores: pulumi.Output[list]
+    seconds: pulumi.Output[float]
     problems: pulumi.Output[list]
     job_id: pulumi.Output[str]
 

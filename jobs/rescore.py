@@ -184,7 +184,9 @@ def wait_for(endpoint_url: str, served_model: str, wait_s: float, dashboard: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    import time
+
+    args, started = parse_args(argv), time.monotonic()
     try:
         if args.endpoint and args.wait_s:
             wait_for(args.endpoint, args.served_model, args.wait_s, args.serve_dashboard)
@@ -198,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     for problem in problems:
         print(f"problem: the served score disagrees with the run's: {problem}")
     print_result({"rescored": args.run, "endpoint": args.endpoint, "problems": problems,
+                  "seconds": round(time.monotonic() - started, 1),  # (the wait for a replica, and the scoring)
                   "scores": [dict(zip(("task", "metric", "run", "here"), row, strict=True)) for row in rows]})  # fmt: skip
     return 0
 

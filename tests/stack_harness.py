@@ -52,7 +52,12 @@ class StackMocks(pulumi_mocks.Mocks):
                 "job_ids": {"collectives": "c-a1", "finetune": "f-a1"},
                 "slice_hours": 0.1,
                 "run_hours": 0.5,
-            }
+                "evaluation": {"tasks": {"heldout_loss": {"samples": 5, "metrics": {
+                    "loss": {"base": 2.6, "fine_tuned": 2.31, "delta": -0.29}}}}},
+            }  # fmt: skip
+        elif args.typ == "pulumi-python:dynamic:Resource" and args.name == "served-evaluation":
+            state |= {"scores": [{"task": "heldout_loss", "metric": "loss", "run": 2.31, "here": 2.3102}],
+                      "problems": [], "job_id": "s-a1", "seconds": 1800.0}  # fmt: skip
         elif args.typ == "gcp:storage/bucket:Bucket":
             state |= {"url": f"gs://{args.inputs['name']}"}
         return f"{args.name}-id", state

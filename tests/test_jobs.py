@@ -425,7 +425,7 @@ def by_hand(ray_head, tiny_assets, tmp_path_factory):
                        timeout=400)
         for command in commands
     ]  # fmt: skip
-    return {"commands": commands, "done": done, "cwd": cwd}
+    return {"commands": commands, "done": done, "cwd": cwd, "assets": tiny_assets}
 
 
 def test_readme_cpu_commands_run_verbatim(by_hand):
@@ -526,9 +526,19 @@ def test_the_readme_runs_export_served_on_cpu_answers_and_scores_as_the_job_did(
                  "target": local_target(ray_head.dashboard_url), "timeout_s": 300, "poll_s": 1, "retry_budget_s": 30}  # fmt: skip
         return _ServedEvaluationProvider().create(props).outs
 
+    def while_up(url: str, name: str) -> dict:  # `up`'s scoring job, and make bench's serving smoke, on it too
+        from bench import serving as bench
+
+        assets = {"model": str(run_dir / "model"), "dataset": by_hand["assets"]["dataset"]}
+        return {"up": as_up_scores_it(url, name), "bench": bench.measure(url, name, assets, prompts=8, new_tokens=4)}
+
     said: list[str] = []
-    served = local_serving.rehearse(str(run_dir), say=said.append, while_up=as_up_scores_it)
-    up = served["while_up"]
+    served = local_serving.rehearse(str(run_dir), say=said.append, while_up=while_up)
+    up, rates = served["while_up"]["up"], served["while_up"]["bench"]
+    assert set(rates) == {1, 8} and all(r["served"] > 0 and r["generate"] > 0 for r in rates.values())
+    from bench.serving import table
+
+    assert "served / in-job" in table(rates, 8, 4) and len(table(rates, 8, 4).splitlines()) == 5
     assert up["problems"] == [] and up["job_id"].startswith("test-served-evaluation-")
     by_up = {(s["task"], s["metric"]): (s["run"], s["here"]) for s in up["scores"]}
     expected = {(task, metric): (run, here) for task, metric, run, here in served["scores"]}

@@ -148,3 +148,12 @@ def test_the_served_scores_sit_beside_the_jobs_in_the_evaluation_output():
     )
     assert "served_fine_tuned" not in evaluation["tasks"]["heldout_loss"]["metrics"]["loss"]  # (a copy)
     assert with_served(None, scores, base=False) is None and with_served(evaluation, None, base=False) is evaluation
+
+
+def test_serving_a_directory_that_is_not_a_run_says_so_before_anything_starts(tmp_path, capsys):
+    from infra import local_serving
+
+    with pytest.raises(SystemExit) as ended:
+        local_serving.main([str(tmp_path)])
+    assert ended.value.code == 2
+    assert f"{tmp_path} has no model/config.json and no evaluation.json: give the directory" in capsys.readouterr().err

@@ -369,3 +369,16 @@ def test_up_scores_the_run_through_the_endpoint_from_the_training_head():
     assert any(urn.endswith("::serving") for urn in evaluation.dependencies)
     assert served(serve="base").one(DYNAMIC, "served-evaluation").inputs["settings"]["base"] is True
     assert not served(evalTasks="none").of_type(DYNAMIC, "served-evaluation")
+
+
+def test_the_served_scores_and_the_serving_hosts_hours_reach_evaluation_and_cost():
+    """The mocks' served evaluation (30 minutes: a cold start and the scoring) reaches the outputs: its scores beside
+    the job's in `evaluation`, and in `cost` the host for those minutes and the autoscaler's 10 idle ones after."""
+    run = served()
+    assert run.outputs["evaluation"]["tasks"]["heldout_loss"]["metrics"]["loss"] == {
+        "base": 2.6, "fine_tuned": 2.31, "delta": -0.29, "served_fine_tuned": 2.3102}  # fmt: skip
+    serving = run.outputs["cost"]["serving"]
+    assert serving["host_hours"] == round((1800 + 600) / 3600, 4) and serving["usd"] == round(2400 / 3600 * 2.70, 2)
+    kept = served(serveMinReplicas="1").outputs["cost"]["serving"]
+    assert kept["host_hours"] == 0.5 and "1 host(s) bill until destroy" in kept["note"]
+    assert "serving" not in run_program("v6e", stack_config("v6e")).outputs["cost"]
