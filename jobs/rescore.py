@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 from evaluation.before_after import (
     EVALUATION_FILE,
@@ -120,7 +121,7 @@ def local_tasks(task_dir: str, into: str) -> str:
 
 
 def rescore(run: str, model: str, device: str, dtype: str, batch_size: int, endpoint: str | None = None,
-            served_model: str | None = None) -> list[str]:  # fmt: skip
+            served_model: str | None = None) -> list[tuple]:  # fmt: skip
     """The run's scores of `model` beside lm-eval's hf backend's here, or `endpoint`'s: (task, metric, the run's,
     here), one a metric."""
     import lm_eval
@@ -184,8 +185,6 @@ def wait_for(endpoint_url: str, served_model: str, wait_s: float, dashboard: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    import time
-
     args, started = parse_args(argv), time.monotonic()
     try:
         if args.endpoint and args.wait_s:
