@@ -62,7 +62,12 @@ def served_model(r: Reader, what: str) -> str:
         r.problem(f"{key('serveModel')}: names an export to serve with serve finetuned; with serve {what} the "
                   f"model key's model is served (unset serveModel, or set serve finetuned)")  # fmt: skip
         return ""
-    names = export_files(given)
+    try:
+        names = export_files(given)
+    except OSError as err:  # (pyarrow's storage errors are OSErrors: no credentials, no access, no network)
+        r.problem(f"{key('serveModel')}: {given!r} could not be looked at from here ({err}); for gs://, sign in with "
+                  "`gcloud auth application-default login` as an account that may read it")  # fmt: skip
+        return ""
     if names is None:
         r.problem(f"{key('serveModel')}: {given!r} does not exist (yet): name a directory a run has written "
                   "(<run>/model), or unset serveModel to serve this run's export once it is done")  # fmt: skip

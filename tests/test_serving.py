@@ -382,3 +382,18 @@ def test_the_served_scores_and_the_serving_hosts_hours_reach_evaluation_and_cost
     kept = served(serveMinReplicas="1").outputs["cost"]["serving"]
     assert kept["host_hours"] == 0.5 and "1 host(s) bill until destroy" in kept["note"]
     assert "serving" not in run_program("v6e", stack_config("v6e")).outputs["cost"]
+
+
+def test_an_export_that_cannot_be_looked_at_is_refused_naming_the_sign_in(monkeypatch):
+    from infra import serving_checks
+
+    def unreadable(directory):
+        raise OSError("google::cloud::Status(UNAUTHENTICATED)")
+
+    monkeypatch.setattr(serving_checks, "export_files", unreadable)
+    with pytest.raises(
+        ConfigError,
+        match=r"'gs://b/run/model' could not be looked at from here \(google::cloud::"
+        r"Status\(UNAUTHENTICATED\)\); for gs://, sign in with `gcloud auth application-default login`",
+    ):
+        run_program("v6e", stack_config("v6e", serve="finetuned", serveModel="gs://b/run/model"))
