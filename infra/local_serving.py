@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
@@ -24,7 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from infra import ROOT
-from infra.job_modules import endpoint
+from infra.job_modules import backend, endpoint
+from infra.runner import ray_jobs
 from infra.serving import ServeConfig, serve_application, served_model_name
 
 ServerNotReady, chat, wait_until_ready = endpoint.ServerNotReady, endpoint.chat, endpoint.wait_until_ready
@@ -34,14 +34,8 @@ READY_TIMEOUT_S = 600  # the tiny model on CPU: about a minute; a busy machine s
 MAX_MODEL_LEN = 512
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
+def log_tail(path: Path) -> str:
+    return ray_jobs.tail(path.read_text(errors="replace")) if path.exists() else "(no log)"
 
 
 @contextmanager
@@ -54,7 +48,7 @@ def local_endpoint(export_dir: str, name: str, log_path: Path, timeout_s: float 
             f"{SERVE_PYTHON} is missing: `make local` makes the serving venv (requirements-serve.txt)"
         )
     serve = ServeConfig("finetuned", None, MAX_MODEL_LEN, 1, 1, "onDemand", int(timeout_s // 60))
-    port, ray_tmp = free_port(), Path(tempfile.mkdtemp(prefix="rs", dir="/tmp"))  # short: Ray's socket paths
+    port, ray_tmp = backend.free_port(), Path(tempfile.mkdtemp(prefix="rs", dir="/tmp"))  # short: Ray's socket paths
     app_file = log_path.with_suffix(".app.json")
     app_file.write_text(json.dumps(serve_application(serve, name, export_dir), indent=2))
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "VIRTUAL_ENV")} | {
@@ -67,7 +61,7 @@ def local_endpoint(export_dir: str, name: str, log_path: Path, timeout_s: float 
                                   start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}/v1"
     try:
-        wait_until_ready(url, name, timeout_s, alive=lambda: server.poll() is None, log_tail=lambda: tail(log_path),
+        wait_until_ready(url, name, timeout_s, alive=lambda: server.poll() is None, log_tail=lambda: log_tail(log_path),
                          say=say)  # fmt: skip
         yield url
     finally:
@@ -91,13 +85,18 @@ def stop(server: subprocess.Popen, ray_tmp: Path) -> None:
 SERVED_REL_TOL = 1e-4
 
 
-def served_scores(run_dir: str, url: str, name: str) -> list[tuple]:
-    """jobs/rescore.py's rows for the run's tasks through the endpoint: (task, metric, the job's score of the
-    fine-tune, the served one's)."""
+def rescore_module():
+    """jobs/rescore.py (imported when used: it brings lm-eval's modules with it)."""
     import infra.job_modules  # noqa: F401  (jobs/ on the path, as the job modules are imported)
     import rescore
 
-    return rescore.rescore(run_dir, "", "cpu", "float32", 8, url, name)
+    return rescore
+
+
+def served_scores(run_dir: str, url: str, name: str) -> list[tuple]:
+    """jobs/rescore.py's rows for the run's tasks through the endpoint: (task, metric, the job's score of the
+    fine-tune, the served one's)."""
+    return rescore_module().rescore(run_dir, "", "cpu", "float32", 8, url, name)
 
 
 def rehearse(run_dir: str, say: Callable[[str], None] = print, while_up: Callable[[str, str], object] | None = None
@@ -119,16 +118,12 @@ def rehearse(run_dir: str, say: Callable[[str], None] = print, while_up: Callabl
 
 def served_problems(rows: list[tuple]) -> list[str]:
     """The served scores that disagree with the job's beyond SERVED_REL_TOL, named."""
-    import infra.job_modules  # noqa: F401
-    import rescore
-
-    return [f"the served score disagrees with the in-job one: {d}" for d in rescore.disagreements(rows, SERVED_REL_TOL)]
+    disagree = rescore_module().disagreements(rows, SERVED_REL_TOL)
+    return [f"the served score disagrees with the in-job one: {d}" for d in disagree]
 
 
 def print_served(served: dict) -> None:
-    import infra.job_modules  # noqa: F401
-    import rescore
-
+    rescore = rescore_module()
     print(
         f"\nServed ({served['model']} at {served['url']}, now stopped; the job's score `run`, the endpoint's `here`):"
     )

@@ -55,10 +55,6 @@ class ServeConfig:
     ready_timeout_minutes: int  # a replica's cold start, bounded
     model: str = ""  # serveModel: an export to serve instead of the run's ("" the run's, or with base its start)
 
-    @property
-    def chips(self) -> int:
-        return self.host.chips if self.host else 0
-
 
 def served_model_name(model_ref: str, what: str) -> str:
     """What clients call the model (`model` in a request): the starting model's last path part, and `-finetuned`

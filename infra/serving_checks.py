@@ -122,9 +122,9 @@ def serving_host(r: Reader, tpu_slice: TpuSlice, model_ref: str, max_len: int) -
                   f"{', '.join(hosts)}")  # fmt: skip
         return None
     host = hosts[given] if given else fits
-    planned = serving_plan(model_ref, host or serving_hosts(generation)[-1], max_len)
+    shape = host or list(hosts.values())[-1]  # (none fits: the plan on the largest, to say by how much)
+    planned = serving_plan(model_ref, shape, max_len)
     if host is None or (planned is not None and not planned.fits):
-        shape = host or serving_hosts(generation)[-1]
         advice = (f"serveTopology: {fits.topology} fits" if fits else
                   f"no single {generation.name} host holds it at this length; a shorter serveMaxModelLen may")  # fmt: skip
         r.problem(f"{key('serveTopology' if given else 'serveMaxModelLen')}: serving {model_ref} at {max_len:,} tokens "
