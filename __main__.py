@@ -142,8 +142,8 @@ else:
         if scored_through_endpoint(cfg):  # the run's tasks through the endpoint, from the training head
             run_dir = training.checkpoint.apply(lambda export: export.rsplit("/", 1)[0])
             settings = served_settings(cfg, run_dir, serving.endpoint["url"], spec.model_name)
-            served = ServedEvaluation("served-evaluation", served_props(cfg, target, gke.name, registry.image, settings),
-                                      opts=pulumi.ResourceOptions(depends_on=[serving]))  # fmt: skip
+            props = served_props(cfg, target, gke.name, registry.image, settings, serving.serve_config)
+            served = ServedEvaluation("served-evaluation", props, opts=pulumi.ResourceOptions(depends_on=[serving]))
             evaluation = pulumi.Output.all(evaluation, served.scores).apply(
                 lambda found: with_served(found[0], found[1], base=cfg.serve.what == "base")
             )

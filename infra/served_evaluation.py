@@ -13,11 +13,13 @@ import pulumi
 import pulumi.dynamic as dynamic
 
 from infra.config import StackConfig
-from infra.job_modules import eval_tasks
+from infra.job_modules import endpoint, eval_tasks
 from infra.resources.raycluster import DASHBOARD_PORT, head_service
 from infra.runner import ray_jobs
 from infra.runner.job_client import connect, default_log
-from infra.runner.resilience import GoogleTokens
+from infra.runner.kube_api import KubeApi, api_server_url
+from infra.runner.resilience import GoogleTokens, TokenSource
+from infra.runner.serve_scaler import ServeScaler
 from infra.training import RETRY_BUDGET_S, diff_props, sigterm_as_interrupt
 
 OUTPUT_KEYS = ("scores", "problems", "job_id", "seconds")
@@ -40,11 +42,16 @@ def served_settings(cfg: StackConfig, run_dir: pulumi.Input[str], url: str, mode
 
 
 def served_props(cfg: StackConfig, target: dict, cluster: pulumi.Input[str], image: pulumi.Input[str],
-                 settings: dict) -> dict:  # fmt: skip
+                 settings: dict, serve_config: pulumi.Input[str] | None = None) -> dict:  # fmt: skip
+    """`serve_config`: the RayService's declared serveConfigV2, which a wait that fails sets to a minimum of 0
+    replicas (serveMinReplicas above 0 only: at 0 the autoscalers end an idle replica anyway)."""
+    ray_service = None
+    if serve_config is not None and cfg.serve.min_replicas > 0:
+        ray_service = {"namespace": cfg.namespace, "name": cfg.serve_name, "serve_config": serve_config}
     return {
         "stack": cfg.stack, "cluster": cluster, "image": image, "code": ray_jobs.jobs_code_hash(),
         "settings": settings, "target": target, "timeout_s": settings["wait_s"] + cfg.job_timeout_minutes * 60,
-        "poll_s": 2 if cfg.local else 15, "retry_budget_s": RETRY_BUDGET_S,
+        "poll_s": 2 if cfg.local else 15, "retry_budget_s": RETRY_BUDGET_S, "ray_service": ray_service,
     }  # fmt: skip
 
 
@@ -56,13 +63,33 @@ def rescore_spec(settings: dict) -> ray_jobs.JobSpec:
     return ray_jobs.JobSpec("served-evaluation", "rescore.py", tuple(args + (["--base"] if settings["base"] else [])))
 
 
-def score_through_endpoint(props: dict, log=default_log) -> dict:
+def serve_scaler(props: dict, tokens: TokenSource | None, policy, log) -> ServeScaler | None:
+    """What scales the RayService's replicas after a failed wait: on GKE, with a minimum above 0."""
+    service, target = props.get("ray_service"), props["target"]
+    if not service or target["kind"] != "gke":
+        return None
+    api = KubeApi(api_server_url(target["endpoint"]), tokens or GoogleTokens(), target.get("ca_certificate"), policy,
+                  log)  # fmt: skip
+    return ServeScaler(api, service["namespace"], service["name"], service["serve_config"], log)
+
+
+def score_through_endpoint(props: dict, log=default_log, tokens: TokenSource | None = None) -> dict:
     """The scoring job, found, attached to or submitted, and its result: {"scores", "problems", "job_id", "seconds"
-    (the wait for a replica and the scoring: what the serving host ran for up)}."""
+    (the wait for a replica and the scoring: what the serving host ran for up)}. An endpoint that never answers
+    fails it; with a minimum of replicas above 0, the RayService's minimum is then set to 0 (and put back first by
+    the next `up`), so that no TPU host stays up for a replica that does not start."""
     policy = ray_jobs.retry_policy(props)
-    tokens = GoogleTokens() if props["target"]["kind"] == "gke" else None
+    tokens = tokens or (GoogleTokens() if props["target"]["kind"] == "gke" else None)
     client = connect(props["target"], tokens, policy, log)
-    result, job_id = ray_jobs.run_job(client, props, rescore_spec(props["settings"]), policy, lambda: None, log)
+    scaler = serve_scaler(props, tokens, policy, log)
+    if scaler:
+        scaler.put_back()
+    try:
+        result, job_id = ray_jobs.run_job(client, props, rescore_spec(props["settings"]), policy, lambda: None, log)
+    except ray_jobs.JobFailed as err:
+        if scaler and endpoint.NEVER_ANSWERED in str(err):
+            scaler.to_zero()
+        raise
     for problem in result["problems"]:
         log(f"[served-evaluation] problem: the served score disagrees with the run's: {problem}")
     return {"scores": result["scores"], "problems": result["problems"], "job_id": job_id, "seconds": result["seconds"]}

@@ -38,7 +38,7 @@ from evaluation.before_after import (
     task_manager,
     task_scores,
 )
-from evaluation.endpoint import ServerNotReady, serve_status, wait_until_ready
+from evaluation.endpoint import NEVER_ANSWERED, ServerNotReady, serve_status, wait_until_ready
 from runtime.outcome import JobInputError, print_result
 
 
@@ -191,8 +191,11 @@ def main(argv: list[str] | None = None) -> int:
             wait_for(args.endpoint, args.served_model, args.wait_s, args.serve_dashboard)
         rows = rescore(args.run, "base" if args.base else args.model, args.device, args.dtype, args.batch_size,
                        args.endpoint, args.served_model)  # fmt: skip
-    except (JobInputError, ServerNotReady) as err:
+    except JobInputError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ServerNotReady as err:
+        print(f"error: {NEVER_ANSWERED}: {err}", file=sys.stderr)
         return 2
     print("\n".join(line(row) for row in rows))
     problems = disagreements(rows, args.tolerance) if args.endpoint else []

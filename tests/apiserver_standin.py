@@ -7,7 +7,8 @@ refuse everything (403), be down (503 to all), answer a seeded share of requests
 a dropped connection, and drop the response to the first job submit after forwarding it.
 
 With a `FakeSlice`, it also serves the RayCluster (GET, JSON PATCH of a worker group's
-replicas), the group's pods and their events, as the API server would for KubeRay and GKE.
+replicas), the group's pods and their events, as the API server would for KubeRay and GKE; with a
+`FakeRayService`, a RayService (GET, JSON PATCH of its serveConfigV2).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class ServiceProxyStandin:
         seed: int = 0,
         drop_first_submit: bool = False,
         fake_slice: FakeSlice | None = None,
+        fake_service: FakeRayService | None = None,
     ):
         self.prefix = f"/api/v1/namespaces/{namespace}/services/{service}:{port}/proxy"
         self.accepts = token if callable(token) else (lambda t: t == token)
@@ -44,7 +46,7 @@ class ServiceProxyStandin:
         self.mode, self.fault_share, self.faults_left = mode, fault_share, max_faults
         self.rng, self.lock = random.Random(seed), threading.Lock()
         self.drop_submit = drop_first_submit
-        self.slice = fake_slice
+        self.objects = [fake for fake in (fake_slice, fake_service) if fake is not None]  # what it serves itself
         self.requests: list[tuple[str, str, int]] = []  # (method, path, status) of forwarded requests
         self.refused: list[tuple[str, str, int]] = []  # what got 401/403/503 or a dropped connection (status 0)
         standin = self
@@ -62,8 +64,8 @@ class ServiceProxyStandin:
                 if fault:
                     status, message = fault
                     return self._reply(status, b'{"kind":"Status","message":"%s"}' % message, "application/json")
-                if standin.slice and not self.path.startswith(standin.prefix + "/"):
-                    answer = standin.slice.handle(self.command, self.path, body)
+                for fake in standin.objects if not self.path.startswith(standin.prefix + "/") else ():
+                    answer = fake.handle(self.command, self.path, body)
                     if answer:
                         return self._reply(answer[0], json.dumps(answer[1]).encode(), "application/json")
                 if not self.path.startswith(standin.prefix + "/"):
@@ -216,3 +218,23 @@ class FakeSlice:
                 "message": "pod didn't trigger scale-up: 1 in backoff after failed scale-up (GCE quota exceeded)",
             },
         ]
+
+
+class FakeRayService:
+    """A RayService as the API server keeps it: its spec.serveConfigV2, read and replaced by JSON patch."""
+
+    def __init__(self, name: str, serve_config: str, namespace: str = "default"):
+        self.path = f"/apis/ray.io/v1/namespaces/{namespace}/rayservices/{name}"
+        self.serve_config = serve_config
+        self.patches: list[str] = []  # every serveConfigV2 patched in, in order
+
+    def handle(self, method: str, path: str, body: bytes | None):
+        if urllib.parse.urlsplit(path).path != self.path:
+            return None
+        if method == "PATCH":
+            for op in json.loads(body):
+                if (op["op"], op["path"]) != ("replace", "/spec/serveConfigV2"):
+                    return 422, {"kind": "Status", "message": f"unexpected patch {op}"}
+                self.serve_config = op["value"]
+                self.patches.append(op["value"])
+        return 200, {"spec": {"serveConfigV2": self.serve_config}}

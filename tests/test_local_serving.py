@@ -131,7 +131,55 @@ def test_up_s_scoring_job_fails_in_bounded_time_naming_serves_own_status(capsys,
                              "--serve-dashboard", dashboard])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2 and time.monotonic() - started < 10
-    assert "error: m did not answer at" in err and "LLMServer: UNHEALTHY replica failed: no TPU" in err
+    assert (
+        "error: the endpoint never answered: m did not answer at" in err
+        and "LLMServer: UNHEALTHY replica failed: no TPU" in err
+    )
+
+
+def test_an_endpoint_that_never_answers_fails_up_and_sets_the_minimum_replicas_to_0_until_the_next_up(ray_head,
+                                                                                                       tmp_path):  # fmt: skip
+    """serveMinReplicas 1 and a replica that never comes: `up`'s scoring job (on the head, through the API server's
+    proxy) fails at its bound, and the RayService's serveConfigV2 is patched to a minimum of 0 (Serve keeps no
+    replica, so no TPU host stays up); the next `up` puts the declared config back before it waits again."""
+    import yaml
+
+    from infra.runner import ray_jobs
+    from infra.runner.resilience import FixedToken
+    from infra.runner.serve_scaler import without_minimum
+    from infra.served_evaluation import score_through_endpoint
+    from infra.serving import ServeConfig, serve_config
+    from tests.apiserver_standin import FakeRayService, ServiceProxyStandin
+
+    declared = yaml.safe_dump(serve_config(ServeConfig("finetuned", None, 512, 1, 2, "onDemand", 1), "m", "/export"),
+                              sort_keys=False)  # fmt: skip
+    service = FakeRayService("ray-torchtpu-cluster-llm", declared)
+    logged: list[str] = []
+    with (
+        stand_in("m", ready_after_s=None) as url,
+        ServiceProxyStandin(
+            "k8s-bearer", "default", "ray-torchtpu-cluster-head-svc", 8265, ray_head.dashboard_url, fake_service=service
+        ) as proxy,
+    ):
+        target = {"kind": "gke", "endpoint": proxy.url, "ca_certificate": None, "namespace": "default",
+                  "service": "ray-torchtpu-cluster-head-svc", "port": 8265}  # fmt: skip
+        settings = {"run": str(tmp_path), "endpoint": url, "served_model": "m", "base": False, "wait_s": 1,
+                    "tolerance": 0.02, "serve_dashboard": url.removesuffix("/v1")}  # fmt: skip
+        props = {"stack": "never", "cluster": "c", "image": "i", "code": str(time.time()), "settings": settings,
+                 "target": target, "timeout_s": 120, "poll_s": 1, "retry_budget_s": 30,
+                 "ray_service": {"namespace": "default", "name": "ray-torchtpu-cluster-llm", "serve_config": declared}}  # fmt: skip
+        for attempt in (1, 2):
+            with pytest.raises(ray_jobs.JobFailed, match=f"-a{attempt} ended FAILED") as failed:
+                score_through_endpoint(props, log=logged.append, tokens=FixedToken("k8s-bearer"))
+            assert "the endpoint never answered: m did not answer at" in str(failed.value)
+            assert "LLMServer: UNHEALTHY replica failed: no TPU" in str(failed.value)  # Serve's own account
+    zero = without_minimum(declared)
+    assert service.patches == [zero, declared, zero]  # down, back before the next wait, down again
+    assert [c["deployment_config"]["autoscaling_config"] for c in yaml.safe_load(zero)["applications"][0]["args"]
+            ["llm_configs"]] == [{"min_replicas": 0, "max_replicas": 2}]  # fmt: skip
+    assert yaml.safe_load(zero) | {"applications": []} == yaml.safe_load(declared) | {"applications": []}
+    assert any("minimum replicas set to 0" in line for line in logged)
+    assert any("put back as declared" in line for line in logged)
 
 
 def test_the_served_scores_sit_beside_the_jobs_in_the_evaluation_output():

@@ -369,6 +369,15 @@ def test_up_scores_the_run_through_the_endpoint_from_the_training_head():
     assert any(urn.endswith("::serving") for urn in evaluation.dependencies)
     assert served(serve="base").one(DYNAMIC, "served-evaluation").inputs["settings"]["base"] is True
     assert not served(evalTasks="none").of_type(DYNAMIC, "served-evaluation")
+    # A wait that fails scales the RayService down only where Serve would keep a replica (serveMinReplicas > 0):
+    # the evaluation holds the serveConfigV2 the RayService declares, to set to a minimum of 0 and to put back.
+    assert evaluation.inputs.get("ray_service") is None
+    kept = served(serveMinReplicas="1")
+    ray_service = as_manifest(kept.one(RAY_SERVICE, "serving"))
+    assert kept.one(DYNAMIC, "served-evaluation").inputs["ray_service"] == {
+        "namespace": "default", "name": ray_service["metadata"]["name"],
+        "serve_config": ray_service["spec"]["serveConfigV2"],
+    }  # fmt: skip
 
 
 def test_the_served_scores_and_the_serving_hosts_hours_reach_evaluation_and_cost():

@@ -182,4 +182,5 @@ class ServingEndpoint(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self, depends_on=[*depends_on, *([self.pool] if self.pool else [])]),
         )
         self.endpoint = endpoint(spec)
+        self.serve_config = manifest.apply(lambda declared: declared["serveConfigV2"])
         self.register_outputs({"endpoint": self.endpoint})

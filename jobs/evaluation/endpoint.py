@@ -11,6 +11,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
+# What a scoring job prints when the endpoint never answered: `up` then scales the serving replicas down to 0.
+NEVER_ANSWERED = "the endpoint never answered"
+
 
 class ServerNotReady(RuntimeError):
     """The endpoint did not list the model in time, or its server ended first."""
