@@ -118,7 +118,9 @@ class _ServedEvaluationProvider(dynamic.ResourceProvider):
         return diff_props(olds, news)
 
     def update(self, _id, olds, news):
-        return dynamic.UpdateResult(outs={**olds, **{k: news.get(k) for k in ("target", "timeout_s", "poll_s")}})
+        return dynamic.UpdateResult(
+            outs={**olds, **{k: news.get(k) for k in ("target", "timeout_s", "poll_s", "ray_service")}}
+        )
 
 
 class ServedEvaluation(dynamic.Resource):
