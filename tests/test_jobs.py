@@ -425,22 +425,26 @@ def ended():
         subprocess.run(["pkill", "-9", "-f", str(ray_tmp)], capture_output=True)
 
 
-@pytest.mark.e2e
-def test_a_run_its_ray_cannot_place_fails_once_naming_what_is_missing(tiny_assets, tmp_path, ended):
-    """The TPU backend (the default) on a machine without TPUs: refused once, not retried by Ray Train forever, and
-    before a Ray is started for it."""
-    import time
+def test_a_run_its_ray_cannot_place_fails_once_naming_what_is_missing(tiny_assets, tmp_path, monkeypatch, capsys):
+    """The TPU backend (the default) on a machine without TPUs, by hand with no cluster to join: refused once, not
+    retried by Ray Train forever, and before a Ray is started for it (none in its Ray temp dir, none here)."""
+    import ray
 
-    started = time.monotonic()
-    process, ray_tmp = by_hand_run(tiny_assets, tmp_path, ["--batch-size", "1"])
-    ended((process, ray_tmp))
-    out, _ = process.communicate(timeout=120)
-    assert process.returncode == 2 and time.monotonic() - started < 60, out[-3000:]
-    assert "error: --backend tpu needs TPU 16 for 16 workers; this machine's Ray would have TPU 0" in out
-    assert not (ray_tmp / "ray").exists()  # no Ray was started
-    assert "Traceback" not in out
-    time.sleep(2)
-    assert processes_under(ray_tmp) == ""
+    import ray_train_llm_finetune as ft
+
+    def started(*args, **kwargs):
+        raise AssertionError("a Ray was started before the run was refused")
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "ray-tmp"))
+    monkeypatch.setattr(ray, "init", started)  # (a tripwire: the refusal must come before any Ray)
+    argv = ["--model", tiny_assets["model"], "--dataset", tiny_assets["dataset"], "--split", "train[:80]",
+            "--seq-len", "128", "--storage-path", str(tmp_path), "--eval-tasks", "none", "--batch-size", "1"]  # fmt: skip
+    assert ft.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: --backend tpu needs TPU 16 for 16 workers; this machine's Ray would have TPU 0" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "ray-tmp").exists() and not ray.is_initialized()  # no Ray was started
 
 
 @pytest.mark.e2e
