@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -148,5 +149,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1)
 
 
+def cli(argv: list[str] | None = None) -> None:
+    """main, with Ctrl-C said in a line (local_endpoint has stopped the server and its Ray by then), not a traceback."""
+    try:
+        main(argv)
+    except KeyboardInterrupt:
+        print("\ninterrupted: the server and its Ray are stopped; nothing of them is left running", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -205,3 +205,22 @@ def test_serving_a_directory_that_is_not_a_run_says_so_before_anything_starts(tm
         local_serving.main([str(tmp_path)])
     assert ended.value.code == 2
     assert f"{tmp_path} has no model/config.json and no evaluation.json: give the directory" in capsys.readouterr().err
+
+
+def test_ctrl_c_in_the_by_hand_rehearsal_is_a_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """`python -m infra.local_serving RUN` interrupted (its server and Ray are stopped by local_endpoint on the way
+    out): one line and the shell's status for Ctrl-C, 130."""
+    from infra import local_serving
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "evaluation.json").write_text("{}")
+
+    def interrupted(run: str) -> dict:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(local_serving, "rehearse", interrupted)
+    with pytest.raises(SystemExit) as ended:
+        local_serving.cli([str(tmp_path)])
+    assert ended.value.code == 130
+    assert "interrupted: the server and its Ray are stopped" in capsys.readouterr().err
