@@ -186,6 +186,7 @@ COLD_START_MINUTES = (10.0, 25.0)
 def serving_estimate(cfg: StackConfig) -> dict:
     """What the endpoint bills by the hour: each replica's single TPU host at the serving capacity's price."""
     from infra.resources.serving import IDLE_TIMEOUT_S
+    from infra.serving import DOWNSCALE_DELAY_S
 
     serve, host = cfg.serve, cfg.serve.host
     price = (Price(cfg.price_per_chip_hour, "pricePerChipHour (stack config)", "") if cfg.price_per_chip_hour
@@ -194,7 +195,8 @@ def serving_estimate(cfg: StackConfig) -> dict:
            "chips_per_replica": host.chips, "replicas": [serve.min_replicas, serve.max_replicas],
            "bills": (f"each replica's TPU host, from its node's start (a cold start of {COLD_START_MINUTES[0]:.0f}-"
                      f"{COLD_START_MINUTES[1]:.0f} minutes: node, image, weights, compile) until the autoscaler "
-                     f"removes it, {IDLE_TIMEOUT_S // 60} minutes after Serve scales the replica away; "
+                     f"removes it: Serve scales the replica away {DOWNSCALE_DELAY_S // 60} minutes after the last "
+                     f"request, the autoscaler the host {IDLE_TIMEOUT_S // 60} minutes after that; "
                      + ("nothing between requests (serveMinReplicas 0) but the serving head pod"
                         if serve.min_replicas == 0 else f"{serve.min_replicas} host(s) always, until destroy"))}  # fmt: skip
     if price is None:
@@ -283,11 +285,13 @@ def always_on_text(estimate: dict) -> str:
 
 def serving_cost(cfg: StackConfig, seconds: float) -> dict:
     """What the endpoint's host billed for `up`: the served evaluation's `seconds` (its wait for a replica, then the
-    scoring), and with serveMinReplicas 0 the autoscaler's idle timeout before it removes the host."""
+    scoring), and with serveMinReplicas 0 Serve's downscale delay and then the autoscaler's idle timeout before the
+    host goes."""
     from infra.resources.serving import IDLE_TIMEOUT_S
+    from infra.serving import DOWNSCALE_DELAY_S
 
     serve = cfg.serve
-    tail = IDLE_TIMEOUT_S if serve.min_replicas == 0 else 0
+    tail = DOWNSCALE_DELAY_S + IDLE_TIMEOUT_S if serve.min_replicas == 0 else 0
     hours = (seconds + tail) / 3600
     estimate = serving_estimate(cfg)
     out = {"host_hours": round(hours, 4), "chips": serve.host.chips,

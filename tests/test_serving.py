@@ -69,7 +69,8 @@ def test_the_ray_service_whole_on_v6e():
             "name": "llm", "route_prefix": "/", "import_path": "ray.serve.llm:build_openai_app",
             "args": {"llm_configs": [{
                 "model_loading_config": {"model_id": "gemma-4-E2B-it-finetuned", "model_source": export_of(run)},
-                "deployment_config": {"autoscaling_config": {"min_replicas": 0, "max_replicas": 1}},
+                "deployment_config": {"autoscaling_config": {"min_replicas": 0, "max_replicas": 1,
+                                                             "downscale_delay_s": 600}},
                 "engine_kwargs": {"max_model_len": 4096, "hf_overrides": {"architectures": ["Gemma4ForCausalLM"]},
                                   "dtype": "bfloat16", "tensor_parallel_size": 1, "gpu_memory_utilization": 0.85},
                 "accelerator_type": "TPU-V6E",
@@ -343,7 +344,8 @@ def test_with_a_minimum_of_zero_nothing_holds_a_tpu_host_once_the_endpoint_is_id
     run = served(serveMinReplicas=least, serveReplicas="2")
     spec = run.one(RAY_SERVICE).inputs["spec"]
     llm = yaml.safe_load(spec["serveConfigV2"])["applications"][0]["args"]["llm_configs"][0]
-    assert llm["deployment_config"]["autoscaling_config"] == {"min_replicas": int(least), "max_replicas": 2}
+    assert llm["deployment_config"]["autoscaling_config"] == {"min_replicas": int(least), "max_replicas": 2,
+                                                              "downscale_delay_s": 600}  # fmt: skip
     cluster = spec["rayClusterConfig"]
     assert cluster["enableInTreeAutoscaling"] is True and cluster["autoscalerOptions"]["idleTimeoutSeconds"] > 0
     (group,) = cluster["workerGroupSpecs"]
@@ -382,12 +384,13 @@ def test_up_scores_the_run_through_the_endpoint_from_the_training_head():
 
 def test_the_served_scores_and_the_serving_hosts_hours_reach_evaluation_and_cost():
     """The mocks' served evaluation (30 minutes: a cold start and the scoring) reaches the outputs: its scores beside
-    the job's in `evaluation`, and in `cost` the host for those minutes and the autoscaler's 10 idle ones after."""
+    the job's in `evaluation`, and in `cost` the host for those minutes, Serve's 10 before it lets the replica go and
+    the autoscaler's 10 idle ones after."""
     run = served()
     assert run.outputs["evaluation"]["tasks"]["heldout_loss"]["metrics"]["loss"] == {
         "base": 2.6, "fine_tuned": 2.31, "delta": -0.29, "served_fine_tuned": 2.3102}  # fmt: skip
     serving = run.outputs["cost"]["serving"]
-    assert serving["host_hours"] == round((1800 + 600) / 3600, 4) and serving["usd"] == round(2400 / 3600 * 2.70, 2)
+    assert serving["host_hours"] == round((1800 + 1200) / 3600, 4) and serving["usd"] == round(3000 / 3600 * 2.70, 2)
     kept = served(serveMinReplicas="1").outputs["cost"]["serving"]
     assert kept["host_hours"] == 0.5 and "1 host(s) bill until destroy" in kept["note"]
     assert "serving" not in run_program("v6e", stack_config("v6e")).outputs["cost"]
