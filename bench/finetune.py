@@ -18,6 +18,11 @@ same seed and workers. Two comparisons:
 
     python -m bench.finetune                 # the full bench, several minutes on 2 cores
     python -m bench.finetune --rows 48 --epochs 1 --size tiny --stall-size tiny --memory-size tiny  # a smoke run
+    python -m bench.finetune --rows 48 --epochs 1 --size tiny --stall-size tiny --memory-size tiny --in-process
+
+With --in-process every run trains on one gloo rank in this process instead (bench/in_process.py: the job's
+settings, TrainingRun, epoch metrics and checkpoint writes, without Ray Train's processes or reports): a quick
+look, and the suite's smoke.
 """
 
 from __future__ import annotations
@@ -67,7 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--memory-size", default="vocab", help="model for the memory comparison: vocab (tiny, 262,144 tokens) or tiny"
     )
     p.add_argument("--memory-rows", type=int, default=24, help="records for it")
-    return p.parse_args(argv)
+    p.add_argument("--in-process", action="store_true", help="every run on one gloo rank here, without Ray")
+    args = p.parse_args(argv)
+    if args.in_process:
+        args.workers = 1
+    return args
 
 
 def make_assets(out: Path, size: str, rows: int) -> dict[str, str]:
@@ -110,7 +119,12 @@ def job_argv(assets: dict[str, str], args: argparse.Namespace, name: str, flags:
 
 
 def run_recipe(head, assets: dict[str, str], args: argparse.Namespace, name: str, flags: tuple[str, ...]) -> dict:
-    """The real job on `head` with `job_argv`'s flags; its JOB_RESULT_JSON."""
+    """The real job on `head` with `job_argv`'s flags; its JOB_RESULT_JSON. With --in-process (no head), the same
+    flags on one gloo rank here."""
+    if args.in_process:
+        from bench.in_process import run_here
+
+        return run_here(job_argv(assets, args, name, flags), name, flags)
     from infra.runner.ray_jobs import parse_result
 
     argv = job_argv(assets, args, name, flags)
@@ -184,7 +198,11 @@ def main(argv: list[str] | None = None, head=None) -> dict:
     assets = make_assets(args.out, args.size, args.rows)
     share = real_share(assets, args.seq_len)
     print(f"data: {args.rows} Dolly-shaped records; real tokens are {share:.1%} of padded positions at {args.seq_len}")
-    with nullcontext(head) if head else LocalRayHead(num_cpus=args.workers, log_dir=args.out) as head:
+    if args.in_process or head:
+        ray = nullcontext(head)  # (none in process: the runs never look at it)
+    else:
+        ray = LocalRayHead(num_cpus=args.workers, log_dir=args.out)
+    with ray as head:
         results = {name: run_recipe(head, assets, args, name, flags) for name, flags in RECIPES.items()}
         stalls = stall_runs(head, args, results)
         memory = memory_runs(head, args, results)
@@ -192,8 +210,9 @@ def main(argv: list[str] | None = None, head=None) -> dict:
     ratio = pack["metrics"]["real_tokens_per_s"] / walk["metrics"]["real_tokens_per_s"]
     full, sharded = stalls.values()
     stall_ratio = sharded["metrics"]["checkpoint_stall_s"] / full["metrics"]["checkpoint_stall_s"]
+    where = "one gloo rank in this process" if args.in_process else f"{args.workers} CPU workers"
     print(
-        f"\n{args.size} Gemma 4, {args.workers} CPU workers (fp32), batch {args.batch_size}/worker, "
+        f"\n{args.size} Gemma 4, {where} (fp32), batch {args.batch_size}/worker, "
         f"seq {args.seq_len}, {args.epochs} epochs, seed 42; {platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}\n"
     )

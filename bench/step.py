@@ -22,12 +22,10 @@ and the suite's smoke.
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 from bench.finetune import ROOT, job_argv, make_assets, run_recipe, table
+from bench.in_process import one_gloo_rank, run_here
 
 COMPILE = {"eager": ("--no-compile",), "compile": ("--compile",)}
 COMPILE_ROWS = [("step_time_s", ".3f", True), ("real_tokens_per_s", ",.0f", True), ("loss", ".4f", False)]
@@ -46,51 +44,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="steps whose device reads are counted")
     p.add_argument("--in-process", action="store_true", help="the compile runs on one gloo rank here, without Ray")
     return p.parse_args(argv)
-
-
-@contextmanager
-def one_gloo_rank():
-    """This process as the only rank of a gloo group, as a Ray Train worker of a one-worker run is."""
-    import torch.distributed as dist
-
-    with tempfile.TemporaryDirectory() as rendezvous:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}/pg", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-
-
-def run_here(assets: dict[str, str], args: argparse.Namespace, name: str, flags: tuple[str, ...]) -> dict:
-    """A run of `job_argv`'s flags on one gloo rank in this process: the job's settings, model, data, TrainingRun
-    and epoch metrics (training/worker_hooks.py), without Ray or checkpoints. {"metrics", "history"} as in the
-    job's result."""
-    import torch
-
-    from config.command_line import from_args, parse_args
-    from runtime.backend import get_backend
-    from training.model import adamw, build_model
-    from training.objectives import training_data
-    from training.recipe import Schedule
-    from training.training_run import Hooks, Progress, TrainingRun, resumed_state
-    from training.worker_hooks import epoch_metrics
-
-    settings = from_args(parse_args(job_argv(assets, args, name, flags)))
-    print(f"running {name} ({' '.join(flags)}) in this process ...", flush=True)
-    with one_gloo_rank():
-        torch.manual_seed(settings.seed)
-        trainee = build_model(settings, get_backend("cpu"), "float32", 1, None)
-        data = training_data(settings, trainee.tokenizer, 0, 1)
-        schedule = Schedule.planned(settings, data.steps)
-
-        def metrics(epoch: int, trained: dict, held_out: dict, elapsed: float) -> dict:
-            return epoch_metrics(settings, epoch, trained, held_out, elapsed, 1)
-
-        hooks = Hooks(lambda *_: None, metrics, Progress(10**9, schedule.total_steps, 0))
-        run = TrainingRun(trainee, adamw(trainee, settings), data, schedule, settings, torch.device("cpu"), 0, 1, hooks)
-        history = list(run.run(resumed_state({}, 1)).history)
-    return {"metrics": history[-1], "history": history}
 
 
 class Reads:
@@ -186,7 +139,7 @@ def main(argv: list[str] | None = None, head=None) -> dict:
     assets = make_assets(args.out, args.size, args.rows)
     if args.in_process:
         args.workers = 1
-        runs = {name: run_here(assets, args, name, flags) for name, flags in COMPILE.items()}
+        runs = {name: run_here(job_argv(assets, args, name, flags), name, flags) for name, flags in COMPILE.items()}
     else:
         with nullcontext(head) if head else LocalRayHead(num_cpus=args.workers, log_dir=args.out) as head:
             runs = {name: run_recipe(head, assets, args, name, flags) for name, flags in COMPILE.items()}

@@ -20,6 +20,8 @@ from training.lora import trainable_and_total
 from training.training_run import RunState, resumed_state
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from config.settings import FinetuneSettings
     from training.model import Trainee
 
@@ -93,6 +95,22 @@ def resume(restored, checkpointer: ShardedCheckpointer, storage_path: str, rank:
     return state
 
 
+def write_sharded(checkpointer: ShardedCheckpointer, target: str) -> tuple[Future, float]:
+    """This rank's shard written under `target` (in the background when async): the write's future, and how long
+    the loop waited for it (the checkpoint stall)."""
+    started = time.perf_counter()
+    written = checkpointer.save(target)
+    return written, time.perf_counter() - started
+
+
+def write_full(trainee: Trainee, filesystem, directory: str) -> float:
+    """The walkthrough's checkpoint: the full model gathered on rank 0 and written as a from_pretrained directory
+    at `directory` (pyarrow `filesystem`); the seconds the loop waited for all of it."""
+    started = time.perf_counter()
+    export_pretrained(trainee.model, trainee.tokenizer, filesystem, directory, trainee.lora)
+    return time.perf_counter() - started
+
+
 def save_sharded(checkpointer: ShardedCheckpointer, settings: FinetuneSettings, metrics: dict, state: dict,
                  name: str, wait: bool = False) -> None:  # fmt: skip
     """Every rank writes its shard straight into the run's storage; all ranks report it.
@@ -108,8 +126,7 @@ def save_sharded(checkpointer: ShardedCheckpointer, settings: FinetuneSettings, 
     storage = ray.train.get_context().get_storage()
     directory = f"{storage.experiment_fs_path}/{name}"
     stall_started = time.perf_counter()
-    written = checkpointer.save(uri(settings.storage_path, directory))
-    metrics["checkpoint_stall_s"] = time.perf_counter() - stall_started
+    written, metrics["checkpoint_stall_s"] = write_sharded(checkpointer, uri(settings.storage_path, directory))
     ray.train.report(
         metrics,
         checkpoint=ray.train.Checkpoint(directory, filesystem=storage.storage_filesystem),
@@ -140,9 +157,7 @@ def save_full(trainee: Trainee, metrics: dict, state: dict) -> None:
     storage = ctx.get_storage()
     name = storage.make_default_checkpoint_dir_name()
     directory = f"{storage.experiment_fs_path}/{name}"
-    stall_started = time.perf_counter()
-    export_pretrained(trainee.model, trainee.tokenizer, storage.storage_filesystem, directory, trainee.lora)
-    metrics["checkpoint_stall_s"] = time.perf_counter() - stall_started
+    metrics["checkpoint_stall_s"] = write_full(trainee, storage.storage_filesystem, directory)
     checkpoint = None
     if ctx.get_world_rank() == 0:
         write_state(storage.storage_filesystem, directory, state)
