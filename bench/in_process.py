@@ -77,4 +77,3 @@ def run_here(argv: list[str], name: str, flags: tuple[str, ...]) -> dict:
             export = str(run_dir / EXPORT_DIR)
             export_pretrained(trainee.model, trainee.tokenizer, local, export, trainee.lora)
     return {"metrics": history[-1], "history": history, "checkpoint": export, "checkpoints": checkpoints}
-
