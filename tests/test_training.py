@@ -36,6 +36,7 @@ def local_cfg(tiny_assets, storage, stack: str):
         stack=stack, model=tiny_assets["model"], dataset=tiny_assets["dataset"], datasetSplit="train[:80]", epochs="1",
         seqLen="64", localStoragePath=str(storage), jobTimeoutMinutes="10", evalSamples="1", evalTasks="none",
         finetuneWorkers="1",  # (the job resource's path is the point; the ranks' is test_jobs' and test_slices')
+        collectivesWorkers="2",  # (and make local's four workers the README's collectives check's)
     )  # fmt: skip
 
 
@@ -159,7 +160,7 @@ def test_gke_path_survives_token_expiry_and_a_flaky_proxy_while_make_local_attac
     a, b = outputs["gke"], outputs["local"]
     assert (a["checkpoint"], a["metrics"]) == (b["checkpoint"], b["metrics"])
     assert a["job_ids"] == b["job_ids"] | {"preflight": a["job_ids"]["preflight"]}  # the same jobs (+ the data check)
-    assert a["collectives"]["ok"] and a["collectives"]["world_size"] == 4 and a["metrics"]["epoch"] == 1
+    assert a["collectives"]["ok"] and a["collectives"]["world_size"] == 2 and a["metrics"]["epoch"] == 1
     # `checkpoint` is the from_pretrained export; `checkpoints` the Ray Train (sharded) ones
     assert Path(a["checkpoint"]).name == "model" and (Path(a["checkpoint"]) / "model.safetensors").exists()
     assert Path(a["checkpoint"]).is_relative_to(tmp_path)
@@ -170,7 +171,7 @@ def test_gke_path_survives_token_expiry_and_a_flaky_proxy_while_make_local_attac
     )
     local_run.print_outputs(b)
     printed = capsys.readouterr().out
-    assert f"checkpoint:  {b['checkpoint']}" in printed and "collectives: ok=True world_size=4" in printed
+    assert f"checkpoint:  {b['checkpoint']}" in printed and "collectives: ok=True world_size=2" in printed
     assert took > 4 * 3 and len(credentials.issued) >= 3  # the run outlived several tokens
     # the slice came up host by host before the jobs, and went back to 0 once, after them
     assert tpu.patches == [1, 0] and 0 < a["slice_hours"] < 4 * took / 3600 + 1e-3
