@@ -194,6 +194,59 @@ def make_pairs(path: Path, dataset: Path, seed: int = 0) -> Path:
     return path
 
 
+def make_tone(path: Path, hz: float, seconds: float = 0.5, rate: int = 16_000, channels: int = 1,
+              loudness: float = 0.5) -> Path:  # fmt: skip
+    """A sine tone as a 16-bit PCM WAV file (the standard library's `wave`: no audio package needed)."""
+    import wave
+
+    import numpy as np
+
+    t = np.arange(int(seconds * rate)) / rate
+    samples = (loudness * 32767 * np.sin(2 * np.pi * hz * t)).astype("<i2")
+    with wave.open(str(path), "wb") as clip:
+        clip.setnchannels(channels)
+        clip.setsampwidth(2)
+        clip.setframerate(rate)
+        clip.writeframes(np.repeat(samples, channels).tobytes())
+    return path
+
+
+def make_picture(path: Path, colour: tuple[int, int, int], size: tuple[int, int] = (48, 32)) -> Path:
+    """A small PNG: a field of `colour` with a white square in it."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", size, colour)
+    ImageDraw.Draw(image).rectangle((size[0] // 4, size[1] // 4, size[0] // 2, size[1] // 2), fill=(255, 255, 255))
+    image.save(path)
+    return path
+
+
+MEDIA = {  # file -> the caption a record trains on (words of the tiny tokenizer's vocabulary)
+    "red.png": "a warm small light",
+    "blue.png": "a cold large water",
+    "tone-440.wav": "a slowly early time",
+    "tone-880.wav": "a quickly late time",
+}
+
+
+def make_media(out: Path) -> Path:
+    """Pictures and tones under `out`/media, and `out`/media.jsonl: one chat record a file, its content parts
+    naming the file (relative to the data file) and a caption to answer with (issue 46's records)."""
+    (out / "media").mkdir(parents=True, exist_ok=True)
+    for name, colour in (("red.png", (200, 30, 30)), ("blue.png", (30, 30, 200))):
+        make_picture(out / "media" / name, colour)
+    for name, hz in (("tone-440.wav", 440), ("tone-880.wav", 880)):
+        make_tone(out / "media" / name, hz)
+    with open(out / "media.jsonl", "w") as f:
+        for name, caption in MEDIA.items():
+            kind, ask = ("image", "describe the picture .") if name.endswith(".png") else ("audio", "describe it .")
+            user = [{"type": kind, kind: f"media/{name}"}, {"type": "text", "text": ask}]
+            f.write(json.dumps({"messages": [{"role": "user", "content": user},
+                                             {"role": "assistant", "content": [{"type": "text", "text": caption}]}]})
+                    + "\n")  # fmt: skip
+    return out / "media.jsonl"
+
+
 # Bumped whenever what make_all writes changes: older assets are then made again (2: the chat template; 3: pairs;
 # 4: the generation config stops at the end of turn, as Gemma 4's does).
 ASSETS_VERSION = "4"

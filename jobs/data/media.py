@@ -1,0 +1,217 @@
+"""Pictures and sound in chat records (issue 46): which files a record names, and each one opened once on the head,
+before any worker starts, so that every broken one is named by file and row with the fix, beside the text checks.
+
+A turn's content may be a list of parts, as Gemma 4's processor's chat template takes them:
+`{"type": "text", "text": ...}`, `{"type": "image", "image": PATH}` and `{"type": "audio", "audio": PATH}` (`path`
+or `url` also name the file). TRL's vision format is taken too: an `images` column beside `{"type": "image"}`
+parts without a file, the column's entries in order. A PATH is a local path (relative to the data file's folder)
+or a gs:// URI.
+
+What is checked, from the pinned transformers 5.23 (models/gemma4/feature_extraction_gemma4.py): the audio feature
+extractor reads 16 kHz samples and does not resample, so another rate would be heard at the wrong speed; it cuts
+every clip at 480,000 samples (30 s) without a word, so a longer one would be trained on in part. An image is
+decoded whole (a truncated file fails only there); its size is free, as the image processor resizes every image to
+its soft-token budget.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import wave
+from dataclasses import dataclass
+
+from data.render import RecordError
+
+MEDIA = ("image", "audio")
+FILE_KEYS = ("image", "audio", "path", "url")  # where a part names its file, first found
+SAMPLE_RATE = 16_000  # Gemma4AudioFeatureExtractor's sampling_rate
+LONGEST_CLIP_S = 30.0  # its max_length, 480,000 samples, at that rate
+SILENT_PEAK = 1e-4  # of full scale: a clip no louder than this holds nothing to hear
+RESAMPLE = "ffmpeg -i CLIP -ac 1 -ar 16000 OUT.wav"
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    kind: str  # "image" or "audio"
+    ref: str  # as the record writes it
+    where: str  # "turn 2's image 1"
+
+
+@dataclass(frozen=True)
+class ImageFacts:
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
+class ClipFacts:
+    sample_rate: int
+    channels: int
+    seconds: float
+    peak: float  # of full scale
+
+
+class MediaError(ValueError):
+    """What is wrong with one file, and the fix."""
+
+
+def _file_of(part: dict, kind: str, images: list, used: list[int], where: str) -> str:
+    named = next((part[k] for k in FILE_KEYS if isinstance(part.get(k), str) and part[k].strip()), None)
+    if named is not None:
+        return named
+    if kind == "image" and used[0] < len(images):  # TRL's format: the `images` column, in order
+        used[0] += 1
+        image = images[used[0] - 1]
+        if isinstance(image, str) and image.strip():
+            return image
+        raise RecordError(f"{where}: images[{used[0] - 1}] is {type(image).__name__}; it must be a path or gs:// URI")
+    raise RecordError(f"{where} names no file: give it an {kind!r} (or 'path') key, or list it in the images column")
+
+
+def media_refs(record: dict) -> list[MediaRef]:
+    """Every image and clip the record's turns hold, in order; raises RecordError for a part that names none, or an
+    `images` column whose length is not the number of image parts."""
+    images = record.get("images") or []
+    turns, used, refs = record.get("messages") or [], [0], []
+    for t, turn in enumerate(turns if isinstance(turns, list) else [], 1):
+        parts = turn.get("content") if isinstance(turn, dict) else None
+        if not isinstance(parts, list):
+            continue
+        counts = dict.fromkeys(MEDIA, 0)
+        for part in parts:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in MEDIA:
+                counts[kind] += 1
+                where = f"turn {t}'s {kind} {counts[kind]}"
+                refs.append(MediaRef(kind, _file_of(part, kind, images, used, where), where))
+    if used[0] != len(images):
+        raise RecordError(f"the images column holds {len(images)} entries for {used[0]} image parts without a "
+                          "file; give each image part one")  # fmt: skip
+    return refs
+
+
+def text_view(record: dict) -> dict:
+    """The record with each turn's list of parts as text (a picture or clip as its kind), for the text checks."""
+
+    def text(part) -> str:
+        kind = part.get("type") if isinstance(part, dict) else None
+        return part.get("text") or "" if kind == "text" else f"<{kind}>"
+
+    turns = [turn | {"content": " ".join(map(text, turn["content"])).strip()}
+             if isinstance(turn, dict) and isinstance(turn.get("content"), list) else turn
+             for turn in record["messages"]]  # fmt: skip
+    return record | {"messages": turns}
+
+
+def _read(path: str) -> bytes:
+    if path.startswith("gs://"):
+        from runtime.storage import gcs
+
+        with gcs().open(path, "rb") as f:
+            return f.read()
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def open_image(data: bytes) -> ImageFacts:
+    """The image decoded whole; raises MediaError."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            return ImageFacts(*image.size)
+    except (UnidentifiedImageError, OSError, ValueError) as err:
+        raise MediaError(f"cannot be decoded as an image ({err}); export it again as PNG or JPEG") from None
+
+
+def _peak(frames: bytes, width: int) -> float:
+    import numpy as np
+
+    if width == 3:  # 24-bit: widen each sample to 4 bytes, sign from the top byte
+        raw = np.frombuffer(frames, dtype=np.uint8).reshape(-1, 3)
+        samples = raw[:, 0].astype(np.int32) | raw[:, 1].astype(np.int32) << 8 | raw[:, 2].astype(np.int32) << 16
+        samples = np.where(samples >= 1 << 23, samples - (1 << 24), samples)
+    else:
+        samples = np.frombuffer(frames, dtype={1: np.uint8, 2: np.int16, 4: np.int32}[width]).astype(np.int64)
+        if width == 1:
+            samples = samples - 128  # 8-bit WAV is unsigned
+    full_scale = float(1 << (8 * width - 1))
+    return float(np.abs(samples).max()) / full_scale if samples.size else 0.0
+
+
+def open_clip(data: bytes) -> ClipFacts:
+    """The clip's rate, channels, length and peak, every sample read; raises MediaError for one the audio tower
+    cannot hear as it is."""
+    try:
+        with wave.open(io.BytesIO(data)) as clip:
+            rate, channels, width, count = (clip.getframerate(), clip.getnchannels(), clip.getsampwidth(),
+                                            clip.getnframes())  # fmt: skip
+            frames = clip.readframes(count)
+    except (wave.Error, EOFError) as err:
+        raise MediaError(f"cannot be read as a PCM WAV file ({err}); convert it: {RESAMPLE}") from None
+    if width not in (1, 2, 3, 4):
+        raise MediaError(f"has {8 * width}-bit samples; convert it to 16-bit PCM: {RESAMPLE}")
+    facts = ClipFacts(rate, channels, count / rate if rate else 0.0, _peak(frames, width))
+    if count == 0:
+        raise MediaError("holds no samples; record it again or drop the part")
+    if rate != SAMPLE_RATE:
+        raise MediaError(f"is sampled at {rate} Hz; Gemma 4's feature extractor reads {SAMPLE_RATE} Hz and does "
+                         f"not resample: {RESAMPLE}")  # fmt: skip
+    if channels != 1:
+        raise MediaError(f"has {channels} channels; Gemma 4's audio tower hears one: {RESAMPLE}")
+    if facts.seconds > LONGEST_CLIP_S:
+        raise MediaError(f"is {facts.seconds:.1f} s long; Gemma 4 hears the first {LONGEST_CLIP_S:.0f} s and "
+                         "drops the rest: cut it, or split the record")  # fmt: skip
+    if facts.peak <= SILENT_PEAK:
+        raise MediaError(f"is silent (peak {facts.peak:.1e} of full scale); record it again or drop the part")
+    return facts
+
+
+class MediaCheck:
+    """Opens each file once, however many records name it: its facts, or its MediaError's message."""
+
+    def __init__(self):
+        self.seen: dict[tuple[str, str], ImageFacts | ClipFacts | str] = {}
+
+    def problems(self, refs: list[MediaRef], data_file: str) -> list[str]:
+        """One message a broken file, `WHERE 'REF': what is wrong; the fix`; relative paths are from `data_file`'s
+        folder."""
+        found = []
+        for ref in refs:
+            path = located(ref.ref, data_file)
+            key = (ref.kind, path)
+            if key not in self.seen:
+                self.seen[key] = self._open(ref.kind, path)
+            if isinstance(self.seen[key], str):
+                found.append(f"{ref.where} {ref.ref!r} {self.seen[key]}")
+        return found
+
+    @staticmethod
+    def _open(kind: str, path: str) -> ImageFacts | ClipFacts | str:
+        try:
+            data = _read(path)
+        except FileNotFoundError:
+            return f"is not there ({path}); fix the path (a relative one is from the data file's folder)"
+        except OSError as err:
+            return f"cannot be read ({err})"
+        try:
+            return open_image(data) if kind == "image" else open_clip(data)
+        except MediaError as err:
+            return str(err)
+
+
+def located(ref: str, data_file: str) -> str:
+    """A record's file as a path or URI: absolute and gs:// ones as written, others from the data file's folder."""
+    if ref.startswith("gs://") or os.path.isabs(ref):
+        return ref
+    if data_file.startswith("gs://"):
+        return f"{data_file.rsplit('/', 1)[0]}/{ref}"
+    return os.path.join(os.path.dirname(os.path.abspath(data_file)), ref)
+
+
+def data_file(source, row: int) -> str:
+    """The data file the split's 0-based row is in (a sft_data.Source's); "" for a hub dataset's row."""
+    number, _ = source.position(row)
+    return source.files[number].name if number < len(source.files) else ""

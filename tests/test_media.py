@@ -1,0 +1,142 @@
+"""Images and audio in records (jobs/data/media.py, issue 46): the files a record names, each opened once on the
+head, and every broken one named by file and line with the fix, in the preflight's one pass beside the text checks.
+"""
+
+from __future__ import annotations
+
+import json
+import wave
+
+import pytest
+
+from data.media import MediaCheck, MediaError, MediaRef, media_refs, open_clip, open_image
+from data.render import RecordError
+from tiny_assets import make_media, make_picture, make_tone
+
+
+def parts(*content: dict) -> dict:
+    return {"messages": [{"role": "user", "content": list(content)},
+                         {"role": "assistant", "content": [{"type": "text", "text": "a warm light"}]}]}  # fmt: skip
+
+
+def test_a_record_names_its_pictures_and_clips_in_order_in_either_format():
+    record = parts({"type": "image", "image": "a.png"}, {"type": "text", "text": "and"},
+                   {"type": "audio", "path": "gs://b/c.wav"}, {"type": "image", "url": "d.jpg"})  # fmt: skip
+    assert media_refs(record) == [MediaRef("image", "a.png", "turn 1's image 1"),
+                                  MediaRef("audio", "gs://b/c.wav", "turn 1's audio 1"),
+                                  MediaRef("image", "d.jpg", "turn 1's image 2")]  # fmt: skip
+    # TRL's: placeholders, the files in the `images` column, in order (Arrow gives absent keys as None)
+    trl = parts({"type": "image", "image": None}, {"type": "text", "text": "and"}, {"type": "image"}) | {
+        "images": ["x.png", "y.png"]}  # fmt: skip
+    assert [r.ref for r in media_refs(trl)] == ["x.png", "y.png"]
+    assert media_refs({"messages": [{"role": "user", "content": "text only"}]}) == []
+    with pytest.raises(RecordError, match=r"the images column holds 3 entries for 2 image parts"):
+        media_refs(trl | {"images": ["x.png", "y.png", "z.png"]})
+    with pytest.raises(RecordError, match=r"turn 1's audio 1 names no file"):
+        media_refs(parts({"type": "audio"}))
+
+
+def test_a_clip_the_audio_tower_cannot_hear_as_it_is_is_refused_with_the_fix(tmp_path):
+    good = open_clip(make_tone(tmp_path / "ok.wav", 440).read_bytes())
+    assert (good.sample_rate, good.channels, good.seconds) == (16_000, 1, 0.5) and 0.49 < good.peak < 0.51
+    cases = {
+        "is sampled at 44100 Hz; Gemma 4's feature extractor reads 16000 Hz": make_tone(tmp_path / "a.wav", 440,
+                                                                                        rate=44_100),
+        "has 2 channels": make_tone(tmp_path / "b.wav", 440, channels=2),
+        "is silent (peak 0.0e+00": make_tone(tmp_path / "c.wav", 440, loudness=0),
+        "is 31.0 s long; Gemma 4 hears the first 30 s": make_tone(tmp_path / "d.wav", 440, seconds=31),
+        "holds no samples": make_tone(tmp_path / "e.wav", 440, seconds=0),
+    }  # fmt: skip
+    for message, path in cases.items():
+        with pytest.raises(MediaError, match=message.replace("(", r"\(").replace("+", r"\+")):
+            open_clip(path.read_bytes())
+    with pytest.raises(MediaError, match=r"cannot be read as a PCM WAV file .*ffmpeg -i CLIP -ac 1 -ar 16000"):
+        open_clip(b"ID3 an mp3, not a wav")
+
+
+def test_every_sample_width_is_read_to_its_peak(tmp_path):
+    import numpy as np
+
+    for width, dtype in ((1, np.uint8), (2, "<i2"), (3, None), (4, "<i4")):
+        full = 1 << (8 * width - 1)
+        values = np.array([0, full // 2, -(full // 4)], dtype=np.int64)
+        if width == 1:
+            frames = (values + 128).astype(np.uint8).tobytes()
+        elif width == 3:
+            frames = b"".join(int(v).to_bytes(3, "little", signed=True) for v in values)
+        else:
+            frames = values.astype(dtype).tobytes()
+        with wave.open(str(tmp_path / f"w{width}.wav"), "wb") as clip:
+            clip.setnchannels(1)
+            clip.setsampwidth(width)
+            clip.setframerate(16_000)
+            clip.writeframes(frames)
+        assert open_clip((tmp_path / f"w{width}.wav").read_bytes()).peak == pytest.approx(0.5), width
+
+
+def test_a_picture_is_decoded_whole(tmp_path):
+    data = make_picture(tmp_path / "p.png", (1, 2, 3), size=(40, 24)).read_bytes()
+    assert (open_image(data).width, open_image(data).height) == (40, 24)
+    with pytest.raises(MediaError, match="cannot be decoded as an image .*export it again as PNG or JPEG"):
+        open_image(data[: len(data) // 2])  # truncated: only decoding it finds out
+    with pytest.raises(MediaError, match="cannot be decoded as an image"):
+        open_image(b"not a picture")
+
+
+def test_each_file_is_opened_once_however_many_records_name_it(tmp_path, monkeypatch):
+    import data.media as media
+
+    make_media(tmp_path)
+    opened = []
+    read = media._read
+    monkeypatch.setattr(media, "_read", lambda path: opened.append(path) or read(path))
+    check, data_file = MediaCheck(), str(tmp_path / "media.jsonl")
+    refs = [MediaRef("image", "media/red.png", "turn 1's image 1")]
+    assert check.problems(refs * 3, data_file) == [] and check.problems(refs, data_file) == []
+    assert opened == [str(tmp_path / "media" / "red.png")]
+
+
+def test_the_preflight_names_every_broken_picture_and_clip_by_file_and_line_in_one_run(tiny_assets, tmp_path, capsys):
+    """A truncated picture, a silent clip, a file that is not a WAV, a missing file and a text record's own fault:
+    all five named in one run, by the line an editor shows, before any worker (here: before any Ray) starts."""
+    import ray_train_llm_finetune as ft
+
+    make_media(tmp_path)
+    media = tmp_path / "media"
+    (media / "half.png").write_bytes((media / "red.png").read_bytes()[:60])
+    make_tone(media / "quiet.wav", 440, loudness=0)
+    (media / "notes.wav").write_text("not a wav")
+    good = [json.loads(line) for line in (tmp_path / "media.jsonl").read_text().splitlines()]
+    lines = [json.dumps(good[i % 4]) for i in range(12)]
+    bad = {2: parts({"type": "image", "image": "media/half.png"}), 4: parts({"type": "audio", "audio": "media/quiet.wav"}),
+           6: parts({"type": "audio", "audio": "media/notes.wav"}), 8: parts({"type": "image", "image": "media/gone.png"}),
+           10: {"messages": [{"role": "user", "content": [{"type": "image", "image": "media/red.png"}]}]}}  # fmt: skip
+    for i, record in bad.items():
+        lines[i] = json.dumps(record)
+    data = tmp_path / "captions.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    argv = ["--backend", "cpu", "--num-workers", "1", "--model", tiny_assets["model"], "--dataset", str(data),
+            "--eval-split", "none", "--storage-path", str(tmp_path / "runs"), "--preflight"]  # fmt: skip
+    assert ft.main(argv) == 2
+    err = capsys.readouterr().err
+    expected = [
+        f"{data}, line 3: turn 1's image 1 'media/half.png' cannot be decoded as an image",
+        f"{data}, line 5: turn 1's audio 1 'media/quiet.wav' is silent",
+        f"{data}, line 7: turn 1's audio 1 'media/notes.wav' cannot be read as a PCM WAV file",
+        f"{data}, line 9: turn 1's image 1 'media/gone.png' is not there ({media / 'gone.png'}); fix the path",
+        f"{data}, line 11: the conversation has no assistant turn",
+    ]
+    assert "5 bad records:" in err and "Traceback" not in err, err
+    at = [err.index(message) for message in expected]
+    assert at == sorted(at)
+
+
+def test_records_whose_pictures_and_clips_all_open_are_refused_as_not_trained_yet(tiny_assets, tmp_path, capsys):
+    import ray_train_llm_finetune as ft
+
+    argv = ["--backend", "cpu", "--num-workers", "1", "--model", tiny_assets["model"], "--dataset",
+            str(make_media(tmp_path)), "--eval-split", "none", "--storage-path", str(tmp_path / "runs"),
+            "--preflight"]  # fmt: skip
+    assert ft.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "4 records hold images or audio (every file of them readable); this version fine-tunes on text only" in err
