@@ -247,6 +247,73 @@ def make_media(out: Path) -> Path:
     return out / "media.jsonl"
 
 
+# Gemma 4's chat template's content parts, as its hub template renders them: a text part trimmed, a picture as
+# "\n\n<|image|>\n\n", a clip as "<|audio|>", each then expanded by the processor into its soft tokens.
+GEMMA4_MEDIA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<|turn>' + role + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}{% else %}"
+    "{% for item in message['content'] %}"
+    "{% if item['type'] == 'text' %}{{ item['text'] | trim }}"
+    "{% elif item['type'] == 'image' %}{{ '\n\n<|image|>\n\n' }}"
+    "{% elif item['type'] == 'audio' %}{{ '<|audio|>' }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<turn|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|turn>model\n' }}{% endif %}"
+)
+MEDIA_SPECIAL_TOKENS = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+                        "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}  # fmt: skip
+# Towers of Gemma 4's shapes, tiny (transformers' own tests' Gemma4Vision2TextModelTester and
+# Gemma4Audio2TextModelTester): the vision tower's patch and pooling are the image processor's; the audio tower's
+# first subsampling channels are the feature extractor's 128 mel bins (modeling_gemma4's input_proj_linear).
+VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+          "num_key_value_heads": 1, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 3,
+          "position_embedding_size": 128}  # fmt: skip
+AUDIO = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "subsampling_conv_channels": [128, 8],
+         "conv_kernel_size": 3, "attention_chunk_size": 4, "attention_context_left": 5, "attention_context_right": 0,
+         "output_proj_dims": 32, "use_clipped_linears": False}  # fmt: skip
+
+
+def make_media_model(out: Path, seed: int = 0) -> Path:
+    """A random-weight Gemma 4 with both towers (Gemma4ForConditionalGeneration) under `out`, with its tokenizer
+    (the media tokens, the content parts' chat template) and processor: pictures at 70 soft tokens (the image
+    processor's smallest budget), clips at 16 kHz."""
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, PreTrainedTokenizerFast
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    from data.media_processor import MediaProcessor
+
+    make_tokenizer(out)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(out, extra_special_tokens=MEDIA_SPECIAL_TOKENS)
+    tokenizer.chat_template = GEMMA4_MEDIA_CHAT_TEMPLATE
+    images = Gemma4ImageProcessorPil(patch_size=VISION["patch_size"], pooling_kernel_size=VISION["pooling_kernel_size"],
+                                     max_soft_tokens=70)  # fmt: skip
+    processor = MediaProcessor(Gemma4AudioFeatureExtractor(), images, tokenizer, GEMMA4_MEDIA_CHAT_TEMPLATE)
+    processor.save_pretrained(out)
+    vocab, shape, ids = len(tokenizer), SIZES["tiny"], {k: tokenizer.convert_tokens_to_ids(v)
+                                                       for k, v in MEDIA_SPECIAL_TOKENS.items()}  # fmt: skip
+    config = Gemma4Config(
+        text_config={"vocab_size": vocab, "vocab_size_per_layer_input": vocab, "hidden_size_per_layer_input": 16,
+                     "num_key_value_heads": 1, "global_head_dim": shape["head_dim"], "max_position_embeddings": 1024,
+                     "layer_types": ["sliding_attention", "full_attention"], "num_kv_shared_layers": 0,
+                     "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, **shape},
+        vision_config=VISION, audio_config=AUDIO, image_token_id=ids["image_token"], boi_token_id=ids["boi_token"],
+        eoi_token_id=ids["eoi_token"], audio_token_id=ids["audio_token"], boa_token_id=ids["boa_token"],
+        eoa_token_index=ids["eoa_token"], video_token_id=tokenizer.unk_token_id, pad_token_id=0, eos_token_id=1,
+        bos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id = [1, tokenizer.convert_tokens_to_ids(TURN_MARKERS[1])]
+    model.save_pretrained(out)
+    return out
+
+
 # Bumped whenever what make_all writes changes: older assets are then made again (2: the chat template; 3: pairs;
 # 4: the generation config stops at the end of turn, as Gemma 4's does).
 ASSETS_VERSION = "4"

@@ -140,3 +140,79 @@ def test_records_whose_pictures_and_clips_all_open_are_refused_as_not_trained_ye
     assert ft.main(argv) == 2
     err = capsys.readouterr().err
     assert "4 records hold images or audio (every file of them readable); this version fine-tunes on text only" in err
+
+
+@pytest.fixture(scope="module")
+def media_model(tmp_path_factory):
+    from tiny_assets import make_media_model
+
+    out = tmp_path_factory.mktemp("media-model")
+    make_media(out)
+    return make_media_model(out / "model"), out
+
+
+def chat(image, clip, answer: str = "a warm small light") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "describe ."},
+                                         {"type": "audio", "audio": clip}]},
+            {"role": "assistant", "content": [{"type": "text", "text": answer}]}]  # fmt: skip
+
+
+def test_the_tiny_media_model_loads_as_gemma4_with_both_towers_and_its_processor_without_torchvision(media_model):
+    import numpy as np
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from data.media_processor import load_media_processor, media_labels
+
+    model_dir, assets = media_model
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    assert type(model).__name__ == "Gemma4ForConditionalGeneration"
+    assert {"vision_tower", "audio_tower", "language_model"} <= {n for n, _ in model.model.named_children()}
+    processor = load_media_processor(str(model_dir))
+    picture = Image.open(assets / "media" / "red.png").convert("RGB")
+    with wave.open(str(assets / "media" / "tone-440.wav")) as clip:
+        tone = np.frombuffer(clip.readframes(clip.getnframes()), dtype="<i2").astype(np.float32) / 32768
+    batch = processor.apply_chat_template([chat(picture, tone)], tokenize=True, return_dict=True, return_tensors="pt")
+    ids = batch["input_ids"][0]
+    tokenizer = processor.tokenizer
+    # a 48x32 picture in at most 70 soft tokens of 3x3 pooled 4-pixel patches (the processor's own count), and a
+    # clip of 0.5 s in ceil(500 / 40) tokens of 40 ms; the forward below checks each against its tower's output
+    expected = processor._get_num_multimodal_tokens(image_sizes=[(32, 48)])["num_image_tokens"][0]
+    assert 0 < int((ids == tokenizer.image_token_id).sum()) == expected <= 70
+    assert int((ids == tokenizer.audio_token_id).sum()) == 13
+    # every position trained, say: the pictures' and clips' soft tokens and wrappers still are not
+    labels = media_labels(batch["input_ids"], torch.ones_like(batch["input_ids"]), processor)
+    media = [tokenizer.convert_tokens_to_ids(getattr(tokenizer, n)) for n in
+             ("image_token", "boi_token", "eoi_token", "audio_token", "boa_token", "eoa_token")]  # fmt: skip
+    assert all(int(label) == -100 for token, label in zip(ids, labels[0], strict=True) if int(token) in media)
+    assert int((labels[0] != -100).sum()) == len(ids) - sum(int((ids == m).sum()) for m in media)
+    loss = model(**batch, labels=labels).loss
+    assert torch.isfinite(loss)
+
+
+def test_the_picture_and_the_clip_reach_the_model(media_model):
+    """A record's media swapped with another's changes its loss: the towers' outputs are in the language model's
+    inputs, not dropped on the way."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from data.media_processor import load_media_processor, media_labels
+
+    model_dir, assets = media_model
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    processor = load_media_processor(str(model_dir))
+    red, blue = (Image.open(assets / "media" / f"{c}.png").convert("RGB") for c in ("red", "blue"))
+    low, high = (np.sin(2 * np.pi * hz * np.arange(8000) / 16000).astype(np.float32) * 0.5 for hz in (440, 880))
+
+    def loss(picture, clip) -> float:
+        batch = processor.apply_chat_template([chat(picture, clip)], tokenize=True, return_dict=True,
+                                              return_tensors="pt")  # fmt: skip
+        with torch.no_grad():
+            labels = media_labels(batch["input_ids"], torch.ones_like(batch["input_ids"]), processor)
+            return float(model(**batch, labels=labels).loss)
+
+    assert loss(red, low) == loss(red, low)
+    assert loss(blue, low) != loss(red, low) and loss(red, high) != loss(red, low)
