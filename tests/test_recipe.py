@@ -19,6 +19,7 @@ def relative_distance(a: dict, b: dict) -> float:
     return (sum(float(((a[k] - b[k]) ** 2).sum()) for k in a) / sum(float((a[k] ** 2).sum()) for k in a)) ** 0.5
 
 
+@pytest.mark.slow  # (three layouts of ranks)
 def test_one_step_is_one_global_batch_however_the_batch_is_split(tiny_assets):
     """1 worker x 8 rows, 2 workers x 4 rows and 1 worker x 4 rows x --grad-accum 2 see the same 8
     padded records of mixed lengths per step and end the epoch with the same weights and loss."""

@@ -28,6 +28,7 @@ def layouts(tiny_assets) -> dict:
     return {"one": one, "two": two, "collectives": collectives}
 
 
+@pytest.mark.slow  # (four ranks, both layouts)
 def test_two_slices_of_two_train_what_one_slice_of_four_does(layouts):
     """Every step's loss and gradient norm, and the weights at the end: the replicated dimension sums the
     gradients as the sharded one does (an average there would halve the norm; Adam alone would hide it)."""
@@ -56,6 +57,7 @@ def test_the_slices_must_divide_the_workers_before_any_starts(tiny_assets):
         check(tpu)
 
 
+@pytest.mark.slow  # (four ranks, both layouts)
 def test_the_collectives_check_covers_each_slice_and_the_network_between_them(layouts):
     """The block sharded within each slice of two, the all-reduce over all four ranks (1+2+3+4), and the
     one across the slices (slice 1 + slice 2 on each rank)."""

@@ -46,6 +46,7 @@ def same_run(resumed: dict, straight: dict) -> None:
             assert g == pytest.approx(w, rel=1e-6), key
 
 
+@pytest.mark.slow  # (the two ranks' attempts, one after another: tens of seconds)
 def test_the_run_stops_at_max_steps_past_the_epochs_and_saves_every_n_steps(runs):
     from pathlib import Path
 
@@ -59,6 +60,7 @@ def test_the_run_stops_at_max_steps_past_the_epochs_and_saves_every_n_steps(runs
                      "checkpoint_step_0000009"]  # fmt: skip
 
 
+@pytest.mark.slow  # (the two ranks' attempts, one after another: tens of seconds)
 def test_a_lost_worker_goes_on_from_the_last_save_mid_epoch_to_the_same_weights(runs):
     """The sampler's position, the schedule's, the epoch's running sums and the progress line's come back
     from step 4's save, in the middle of epoch 1."""
@@ -68,6 +70,7 @@ def test_a_lost_worker_goes_on_from_the_last_save_mid_epoch_to_the_same_weights(
     same_run(resumed, runs["straight"])
 
 
+@pytest.mark.slow  # (the two ranks' attempts, one after another: tens of seconds)
 def test_sigterm_on_one_rank_saves_the_next_step_on_every_rank_and_nothing_is_redone(runs):
     """Rank 1 is sent SIGTERM after step 2; the request reaches rank 0 through step 3's count all-reduce:
     both finish step 3, save it and stop; the next attempt goes on from step 3."""
@@ -109,6 +112,7 @@ def test_a_restart_keeps_the_answers_up_to_its_step_and_refuses_a_checkpoint_wit
         resumed_state({"epoch": 1, "history": [], "attempt": 1, "world_size": 2}, 2)
 
 
+@pytest.mark.slow  # (the two ranks' attempts, one after another: tens of seconds)
 def test_a_preemption_notice_saves_the_next_step_on_every_rank_then_waits_for_ray_trains_restart(runs):
     """Rank 1's notice rides on step 3's count all-reduce: both ranks save step 3, then wait for Ray Train to
     restart them at the drain's deadline, not raising (a worker error would be charged to maxFailures);

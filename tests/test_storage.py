@@ -25,7 +25,10 @@ def objects(emulator, bucket: str = "demo-data") -> list[str]:
         return [item["name"] for item in json.loads(response.read()).get("items", [])]
 
 
-@pytest.mark.parametrize("metadata", ["refuses tokens", "does not answer"])
+@pytest.mark.parametrize(
+    "metadata",
+    ["refuses tokens", pytest.param("does not answer", marks=pytest.mark.slow)],  # (google-auth's timeouts)
+)
 def test_the_run_stops_before_any_work_when_the_pods_get_no_token(metadata, storage, tiny_assets):
     """Workload Identity refusing the pod a token, or GKE's metadata server not ready: the job stops at its
     storage check within about a minute, naming the bucket, and nothing reaches the bucket (gcsfs would have
