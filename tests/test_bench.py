@@ -9,7 +9,6 @@ import pytest
 from bench import checkpoint_writes
 from bench import data as data_bench
 from bench import finetune as bench
-from bench import step as step_bench
 
 
 def test_the_dolly_mix_pads_like_dolly_with_gemma(tmp_path):
@@ -71,21 +70,3 @@ def test_checkpoint_write_bench_smoke_prints_the_ratio(capsys):
     printed = capsys.readouterr().out
     assert set(out["seconds"]) == {"defaults (1 file, 5 MiB blocks)", "the jobs' (jobs/runtime/storage.py)"}
     assert out["ratio"] > 0 and "the jobs' / defaults" in printed and "MB/s" in printed
-
-
-@pytest.mark.slow  # inductor compiling, tens of seconds
-def test_step_bench_smoke_prints_the_compile_ratio_and_the_reads_per_step(tmp_path, capsys):
-    # In this process (--in-process: the job's TrainingRun on one gloo rank; the job itself on Ray is the bench
-    # smoke's above), at the rows' shape of test_recipe's compile test ([2, 128], the tiny model): inductor's on-disk
-    # cache then holds one set of kernels for both, and whichever runs second compiles nothing (~25 s of CPU, cold).
-    smoke = ["--size", "tiny", "--rows", "32", "--epochs", "1", "--seq-len", "128", "--batch-size", "2", "--steps",
-             "3", "--in-process"]  # fmt: skip
-    out = step_bench.main(["--out", str(tmp_path), *smoke])
-    printed = capsys.readouterr().out
-    eager, compiled = out["runs"].values()
-    assert "recompiles" not in eager["metrics"] and compiled["metrics"]["recompiles"] == 0
-    assert eager["metrics"]["loss"] == pytest.approx(compiled["metrics"]["loss"], rel=1e-4)  # the same training
-    assert "one gloo rank in this process" in printed
-    assert out["compile_ratio"] == compiled["metrics"]["step_time_s"] / eager["metrics"]["step_time_s"]
-    assert out["reads"]["now"] == 0 and out["reads"]["before"] >= 3  # the norm, the counts, transformers' check
-    assert "compile / eager" in printed and "device reads per step" in printed and "x an eager one's" in printed

@@ -237,24 +237,6 @@ def test_sdpa_attention_trains_as_eager_does_on_packed_rows(tiny_assets, gloo_ra
     assert losses["sdpa"] != losses["eager"]  # another kernel ran
 
 
-@pytest.mark.slow
-def test_compiled_layers_train_as_eager_ones_and_compile_once(tiny_assets, gloo_rank):
-    """--compile (inductor on CPU): ten steps' losses within 1e-4 of eager's; after the first step nothing compiles
-    again (the evals and sample answers run eager), and the count is in the progress line's figures and the
-    epoch's metrics."""
-    from tests.inprocess import StepRecorder, run
-
-    flags = ("--max-steps", "10", "--eval-every", "5", "--eval-samples", "1", "--save-every", "0", "--batch-size", "2")
-    losses, states = {}, {}
-    for compiled in ("--no-compile", "--compile"):
-        recorder = StepRecorder()
-        _, states[compiled] = run(settings(tiny_assets, *flags, compiled), on_step=recorder)
-        losses[compiled] = recorder.losses
-    assert losses["--compile"] == pytest.approx(losses["--no-compile"], rel=1e-4)
-    assert [h["recompiles"] for h in states["--compile"].history] == [0]
-    assert ["recompiles" in h for h in states["--no-compile"].history] == [False]
-
-
 def test_on_tpu_the_program_cache_misses_are_counted_where_torch_tpu_keeps_them(monkeypatch):
     """TorchTPU's fused eager mode compiles a program per new shape or constant: its cache misses (torch.tpu's
     _get_cache_misses in torch-tpu 0.2.0, _internal/device/_device_module.py; private, so looked up) join the
