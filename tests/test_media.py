@@ -139,7 +139,7 @@ def test_records_whose_pictures_and_clips_all_open_are_refused_as_not_trained_ye
             "--preflight"]  # fmt: skip
     assert ft.main(argv) == 2
     err = capsys.readouterr().err
-    assert "4 records hold images or audio (every file of them readable); this version fine-tunes on text only" in err
+    assert "images or audio in 4 records (every file of them readable): this version fine-tunes on text only" in err
 
 
 @pytest.fixture(scope="module")

@@ -386,9 +386,9 @@ def prepare(settings, tokenizer, before_work: Callable[[], None] = lambda: None)
     if error := bad_records(results, [u for s in loaded.values() for u in s.unreadable]):
         raise error
     if media := sum(r["media"] for r in results):
-        raise JobInputError(f"{media} records hold images or audio (every file of them readable); this version "
-                            "fine-tunes on text only, Gemma 4's vision and audio towers are issue 46's work in "
-                            "progress: leave those records out for now")  # fmt: skip
+        raise JobInputError(f"images or audio in {media} record{'s' * (media != 1)} (every file of them readable): "
+                            "this version fine-tunes on text only, Gemma 4's vision and audio towers are issue 46's "
+                            "work in progress; leave those records out for now")  # fmt: skip
     report = {f"{split}_records": ranges_text(ranges) for split, ranges in zip(SPLITS, (train, held_out), strict=True)}
     for split in SPLITS:
         mine = [r for r in results if r["split"] == split]
