@@ -96,7 +96,9 @@ def text_view(record: dict) -> dict:
 
     def text(part) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
-        return part.get("text") or "" if kind == "text" else f"<{kind}>"
+        if kind == "text":
+            return part.get("text") or ""
+        return f"<{kind or 'part'}>"
 
     turns = [turn | {"content": " ".join(map(text, turn["content"])).strip()}
              if isinstance(turn, dict) and isinstance(turn.get("content"), list) else turn
