@@ -106,7 +106,8 @@ def timed_run(head, argv: list[str], until: str | None = None) -> tuple[float, i
     output = "".join(lines)
     if (until and until not in output) or (not until and code != 0):
         raise RuntimeError(f"{' '.join(argv[2:])} failed ({code}):\n{output[-3000:]}")
-    time.sleep(2)  # the stopped run's workers go (their memory must not count in the next run)
+    if until:
+        time.sleep(2)  # the stopped run's workers go (their memory must not count in the next run)
     return took, memory.peak, idle, output
 
 

@@ -41,9 +41,9 @@ transformers_logging.get_logger("transformers")
 # --dist loadfile --no-loadscope-reorder` hands out whole files in this order, so the long ones start early on both
 # workers and the many short files fill in around them. (xdist's default reorder, by test count, started the
 # bench and preemption files last: one worker ran them alone for the last minute.)
-SLOWEST_FIRST = ("test_jobs.py", "test_training.py", "test_preemption.py", "test_resume.py", "test_bench.py",
-                 "test_compile.py", "test_dpo.py", "test_evaluation.py", "test_step_checkpoints.py", "test_recipe.py",
-                 "test_storage.py", "test_slices.py", "test_local_serving.py", "test_serving.py")  # fmt: skip
+SLOWEST_FIRST = ("test_jobs.py", "test_training.py", "test_preemption.py", "test_resume.py", "test_ctrl_c.py",
+                 "test_compile.py", "test_bench.py", "test_dpo.py", "test_evaluation.py", "test_step_checkpoints.py",
+                 "test_recipe.py", "test_storage.py", "test_slices.py", "test_local_serving.py", "test_serving.py")  # fmt: skip
 
 
 def pytest_collection_modifyitems(items):
