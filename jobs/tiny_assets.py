@@ -264,8 +264,8 @@ GEMMA4_MEDIA_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|turn>model\n' }}{% endif %}"
 )
-MEDIA_SPECIAL_TOKENS = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
-                        "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}  # fmt: skip
+# the tokens of media_processor.MEDIA_TOKENS, in its order
+MEDIA_SPECIAL_TOKENS = ("<|image|>", "<|image>", "<image|>", "<|audio|>", "<|audio>", "<audio|>")
 # Towers of Gemma 4's shapes, tiny (transformers' own tests' Gemma4Vision2TextModelTester and
 # Gemma4Audio2TextModelTester): the vision tower's patch and pooling are the image processor's; the audio tower's
 # first subsampling channels are the feature extractor's 128 mel bins (modeling_gemma4's input_proj_linear).
@@ -286,17 +286,18 @@ def make_media_model(out: Path, seed: int = 0) -> Path:
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    from data.media_processor import MediaProcessor
+    from data.media_processor import MEDIA_TOKENS, MediaProcessor
 
     make_tokenizer(out)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(out, extra_special_tokens=MEDIA_SPECIAL_TOKENS)
+    specials = dict(zip(MEDIA_TOKENS, MEDIA_SPECIAL_TOKENS, strict=True))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(out, extra_special_tokens=specials)
     tokenizer.chat_template = GEMMA4_MEDIA_CHAT_TEMPLATE
     images = Gemma4ImageProcessorPil(patch_size=VISION["patch_size"], pooling_kernel_size=VISION["pooling_kernel_size"],
                                      max_soft_tokens=70)  # fmt: skip
     processor = MediaProcessor(Gemma4AudioFeatureExtractor(), images, tokenizer, GEMMA4_MEDIA_CHAT_TEMPLATE)
     processor.save_pretrained(out)
     vocab, shape, ids = len(tokenizer), SIZES["tiny"], {k: tokenizer.convert_tokens_to_ids(v)
-                                                       for k, v in MEDIA_SPECIAL_TOKENS.items()}  # fmt: skip
+                                                       for k, v in specials.items()}  # fmt: skip
     config = Gemma4Config(
         text_config={"vocab_size": vocab, "vocab_size_per_layer_input": vocab, "hidden_size_per_layer_input": 16,
                      "num_key_value_heads": 1, "global_head_dim": shape["head_dim"], "max_position_embeddings": 1024,

@@ -96,6 +96,22 @@ def test_each_file_is_opened_once_however_many_records_name_it(tmp_path, monkeyp
     assert opened == [str(tmp_path / "media" / "red.png")]
 
 
+def test_a_gs_picture_and_clip_are_read_with_the_pods_credentials_and_a_missing_one_named(storage, metadata_server,
+                                                                                         tmp_path):  # fmt: skip
+    """gs:// files (absolute, or beside a gs:// data file) through gcsfs, on the emulator at 127.0.0.1."""
+    from runtime.storage import gcs
+
+    make_media(tmp_path)
+    for name in ("red.png", "tone-440.wav"):
+        gcs().pipe(f"demo-data/media/{name}", (tmp_path / "media" / name).read_bytes())
+    refs = [MediaRef("image", "gs://demo-data/media/red.png", "turn 1's image 1"),
+            MediaRef("audio", "media/tone-440.wav", "turn 1's audio 1")]  # fmt: skip
+    assert MediaCheck().problems(refs, "gs://demo-data/captions.jsonl") == []
+    (missing,) = MediaCheck().problems([MediaRef("image", "media/gone.png", "turn 2's image 1")],
+                                       "gs://demo-data/captions.jsonl")  # fmt: skip
+    assert missing.startswith("turn 2's image 1 'media/gone.png' is not there (gs://demo-data/media/gone.png)")
+
+
 def test_the_preflight_names_every_broken_picture_and_clip_by_file_and_line_in_one_run(tiny_assets, tmp_path, capsys):
     """A truncated picture, a silent clip, a file that is not a WAV, a missing file and a text record's own fault:
     all five named in one run, by the line an editor shows, before any worker (here: before any Ray) starts."""
@@ -163,7 +179,7 @@ def test_the_tiny_media_model_loads_as_gemma4_with_both_towers_and_its_processor
     from PIL import Image
     from transformers import AutoModelForImageTextToText
 
-    from data.media_processor import load_media_processor, media_labels
+    from data.media_processor import load_media_processor, media_labels, media_token_ids
 
     model_dir, assets = media_model
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
@@ -183,8 +199,7 @@ def test_the_tiny_media_model_loads_as_gemma4_with_both_towers_and_its_processor
     assert int((ids == tokenizer.audio_token_id).sum()) == 13
     # every position trained, say: the pictures' and clips' soft tokens and wrappers still are not
     labels = media_labels(batch["input_ids"], torch.ones_like(batch["input_ids"]), processor)
-    media = [tokenizer.convert_tokens_to_ids(getattr(tokenizer, n)) for n in
-             ("image_token", "boi_token", "eoi_token", "audio_token", "boa_token", "eoa_token")]  # fmt: skip
+    media = media_token_ids(processor)
     assert all(int(label) == -100 for token, label in zip(ids, labels[0], strict=True) if int(token) in media)
     assert int((labels[0] != -100).sum()) == len(ids) - sum(int((ids == m).sum()) for m in media)
     loss = model(**batch, labels=labels).loss
