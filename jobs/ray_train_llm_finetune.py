@@ -52,7 +52,7 @@ import time
 
 from config.command_line import for_this_machine, from_args, parse_args
 from config.settings import DEFAULT_RUN_PREFIX, FinetuneSettings, check, worker_count
-from data.prepared import data_report, print_data_report
+from data.prepared import data_report, print_data_report, with_modality
 from data.render import load_tokenizer
 from evaluation.before_after import before_after, read_evaluation, write_task
 from runtime.backend import RESOURCES_PER_WORKER, connect_ray, get_backend, worker_print
@@ -205,6 +205,7 @@ def run(settings: FinetuneSettings) -> dict:
     prepared = prepare_data(settings, tokenizer, lambda: connect_ray(count) if on_cluster else None)
     report = data_report(settings, prepared, count)
     print_data_report(report)
+    settings = with_modality(settings, report)
     run_name = settings.run_name or DEFAULT_RUN_PREFIX.replace("sft", settings.objective) + str(int(time.time()))
     report_file = write_data_report(settings.storage_path, run_name, report)
     if settings.preflight:

@@ -221,26 +221,30 @@ def make_picture(path: Path, colour: tuple[int, int, int], size: tuple[int, int]
     return path
 
 
-MEDIA = {  # file -> the caption a record trains on (words of the tiny tokenizer's vocabulary)
-    "red.png": "a warm small light",
-    "blue.png": "a cold large water",
-    "tone-440.wav": "a slowly early time",
-    "tone-880.wav": "a quickly late time",
-}
+MEDIA = (  # (the files a record names, the caption it trains on: words of the tiny tokenizer's vocabulary)
+    (("red.png",), "a warm small light"),
+    (("blue.png",), "a cold large water"),
+    (("tone-440.wav",), "a slowly early time"),
+    (("tone-880.wav",), "a quickly late time"),
+    (("blue.png", "tone-440.wav"), "a cold water and an early time"),
+    (("red.png", "blue.png"), "a warm light and a cold water"),
+)
 
 
 def make_media(out: Path) -> Path:
-    """Pictures and tones under `out`/media, and `out`/media.jsonl: one chat record a file, its content parts
-    naming the file (relative to the data file) and a caption to answer with (issue 46's records)."""
+    """Pictures and tones under `out`/media, and `out`/media.jsonl: one chat record for each of MEDIA, its content
+    parts naming its files (relative to the data file) before the question, and a caption to answer with (issue 46's
+    records: a picture, a clip, a picture and a clip, two pictures)."""
     (out / "media").mkdir(parents=True, exist_ok=True)
     for name, colour in (("red.png", (200, 30, 30)), ("blue.png", (30, 30, 200))):
         make_picture(out / "media" / name, colour)
     for name, hz in (("tone-440.wav", 440), ("tone-880.wav", 880)):
         make_tone(out / "media" / name, hz)
     with open(out / "media.jsonl", "w") as f:
-        for name, caption in MEDIA.items():
-            kind, ask = ("image", "describe the picture .") if name.endswith(".png") else ("audio", "describe it .")
-            user = [{"type": kind, kind: f"media/{name}"}, {"type": "text", "text": ask}]
+        for files, caption in MEDIA:
+            parts = [{"type": kind, kind: f"media/{name}"}
+                     for name in files for kind in ["image" if name.endswith(".png") else "audio"]]  # fmt: skip
+            user = [*parts, {"type": "text", "text": "describe it ."}]
             f.write(json.dumps({"messages": [{"role": "user", "content": user},
                                              {"role": "assistant", "content": [{"type": "text", "text": caption}]}]})
                     + "\n")  # fmt: skip
@@ -248,19 +252,23 @@ def make_media(out: Path) -> Path:
 
 
 # Gemma 4's chat template's content parts, as its hub template renders them: a text part trimmed, a picture as
-# "\n\n<|image|>\n\n", a clip as "<|audio|>", each then expanded by the processor into its soft tokens.
+# "\n\n<|image|>\n\n", a clip as "<|audio|>", each then expanded by the processor into its soft tokens. The model
+# turn's content and end-of-turn marker inside {% generation %} (rendering nothing): the span this project trains,
+# which TRL's SFTTrainer trains too with assistant_only_loss (processor.apply_chat_template's assistant mask).
 GEMMA4_MEDIA_CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "{{ '<|turn>' + role + '\n' }}"
+    "{% macro content(message) %}"
     "{% if message['content'] is string %}{{ message['content'] | trim }}{% else %}"
     "{% for item in message['content'] %}"
     "{% if item['type'] == 'text' %}{{ item['text'] | trim }}"
     "{% elif item['type'] == 'image' %}{{ '\n\n<|image|>\n\n' }}"
     "{% elif item['type'] == 'audio' %}{{ '<|audio|>' }}{% endif %}"
     "{% endfor %}{% endif %}"
-    "{{ '<turn|>\n' }}"
+    "{% endmacro %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|turn>model\n' }}{% generation %}{{ content(message) }}{{ '<turn|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{ '<|turn>' + message['role'] + '\n' + content(message) + '<turn|>\n' }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|turn>model\n' }}{% endif %}"
 )

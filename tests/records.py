@@ -35,7 +35,7 @@ def prepare_docs(settings, tokenizer) -> tuple[Docs, Docs]:
             source = loaded[chunk.source]
             source = Source(source.ref, source.data.rename_columns(
                 {o: n for o, n in settings.column_renames.items() if o in source.data.column_names}), source.files)  # fmt: skip
-            ids, trained, chunk_stats = render_chunk(chunk, source, tokenizer, settings)
+            ids, trained, chunk_stats, _ = render_chunk(chunk, source, tokenizer, settings)
             if error := bad_records([chunk_row(vars(chunk_stats) | {"formats": sorted(chunk_stats.formats)})]):
                 raise error
             items += [

@@ -112,7 +112,7 @@ def test_a_gs_picture_and_clip_are_read_with_the_pods_credentials_and_a_missing_
     assert missing.startswith("turn 2's image 1 'media/gone.png' is not there (gs://demo-data/media/gone.png)")
 
 
-def test_the_preflight_names_every_broken_picture_and_clip_by_file_and_line_in_one_run(tiny_assets, tmp_path, capsys):
+def test_the_preflight_names_every_broken_picture_and_clip_by_file_and_line_in_one_run(media_model, tmp_path, capsys):
     """A truncated picture, a silent clip, a file that is not a WAV, a missing file and a text record's own fault:
     all five named in one run, by the line an editor shows, before any worker (here: before any Ray) starts."""
     import ray_train_llm_finetune as ft
@@ -131,7 +131,7 @@ def test_the_preflight_names_every_broken_picture_and_clip_by_file_and_line_in_o
         lines[i] = json.dumps(record)
     data = tmp_path / "captions.jsonl"
     data.write_text("\n".join(lines) + "\n")
-    argv = ["--backend", "cpu", "--num-workers", "1", "--model", tiny_assets["model"], "--dataset", str(data),
+    argv = ["--backend", "cpu", "--num-workers", "1", "--model", str(media_model[0]), "--dataset", str(data),
             "--eval-split", "none", "--storage-path", str(tmp_path / "runs"), "--preflight"]  # fmt: skip
     assert ft.main(argv) == 2
     err = capsys.readouterr().err
@@ -147,15 +147,22 @@ def test_the_preflight_names_every_broken_picture_and_clip_by_file_and_line_in_o
     assert at == sorted(at)
 
 
-def test_records_whose_pictures_and_clips_all_open_are_refused_as_not_trained_yet(tiny_assets, tmp_path, capsys):
+def test_the_preflight_reports_the_media_and_refuses_a_model_that_cannot_read_them(tiny_assets, media_model, tmp_path,
+                                                                                    capsys):  # fmt: skip
+    """Good media records: the data report counts their pictures, clips and soft tokens, and names the modality the
+    workers load; with a text-only model (no processor, no towers) the preflight refuses them, naming the model."""
     import ray_train_llm_finetune as ft
 
-    argv = ["--backend", "cpu", "--num-workers", "1", "--model", tiny_assets["model"], "--dataset",
-            str(make_media(tmp_path)), "--eval-split", "none", "--storage-path", str(tmp_path / "runs"),
-            "--preflight"]  # fmt: skip
-    assert ft.main(argv) == 2
+    argv = ["--backend", "cpu", "--num-workers", "1", "--dataset", str(make_media(tmp_path)), "--eval-split", "none",
+            "--storage-path", str(tmp_path / "runs"), "--preflight"]  # fmt: skip
+    assert ft.main([*argv, "--model", tiny_assets["model"]]) == 2
     err = capsys.readouterr().err
-    assert "images or audio in 4 records (every file of them readable): this version fine-tunes on text only" in err
+    assert f"records hold pictures or sound, but --model {tiny_assets['model']} has no processor to read them" in err
+    assert ft.main([*argv, "--model", str(media_model[0])]) == 0
+    out = capsys.readouterr().out
+    assert "media: 6 records hold 5 pictures (" in out and "and 3 clips (" in out and "modality image+audio" in out
+    report = json.loads(out.rsplit("JOB_RESULT_JSON: ", 1)[1])["data_report"]
+    assert report["modality"] == "image+audio" and report["train"]["media"]["audio_tokens"] == 3 * 13
 
 
 @pytest.fixture(scope="module")
@@ -231,3 +238,23 @@ def test_the_picture_and_the_clip_reach_the_model(media_model):
 
     assert loss(red, low) == loss(red, low)
     assert loss(blue, low) != loss(red, low) and loss(red, high) != loss(red, low)
+
+
+def test_a_picture_or_clip_replaced_under_its_name_is_prepared_again(tmp_path):
+    """The prepared data's key holds every picture's and clip's content (and the model that read them): a file
+    replaced under the same name makes a new key; the same files, the same key."""
+    from data.prepared_key import media_fingerprint
+
+    data = str(make_media(tmp_path))
+    first = media_fingerprint([data], "model")
+    assert first == media_fingerprint([data], "model") and len(first[0][2]) == 4  # two pictures, two clips
+    make_picture(tmp_path / "media" / "red.png", (201, 30, 30))
+    assert media_fingerprint([data], "model") != first
+    make_tone(tmp_path / "media" / "tone-440.wav", 441)
+    changed = media_fingerprint([data], "model")
+    assert changed != first and media_fingerprint([data], "other model") != changed
+    text = tmp_path / "text.jsonl"
+    text.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]})
+    )
+    assert media_fingerprint([str(text)], "model") == []  # text records: the key as before

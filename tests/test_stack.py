@@ -248,7 +248,7 @@ def test_training_jobs_resource(run):
         "packing": True, "chat_template": True, "prompt_loss": False,
         "lr": 2e-05, "lr_schedule": "cosine", "warmup_ratio": 0.03, "max_grad_norm": 1.0, "weight_decay": 0.01,
         "attention": "eager", "loss_chunk": 256, "max_steps": 0, "save_every": 500, "eval_every": 500,
-        "eval_samples": 4, "activation_checkpointing": False, "compile": False, "lora": False, "lora_rank": 16, "lora_alpha": 32, "seed": 42,
+        "eval_samples": 4, "activation_checkpointing": False, "compile": False, "lora": False, "lora_rank": 16, "lora_alpha": 32, "modality": "auto", "train_towers": False, "seed": 42,
         "topology": topology, "accelerator_type": accelerator, "backend": "tpu", "num_slices": 1,
         "storage_path": f"gs://demo-project-{run.stack}-checkpoints/ray_train_torchtpu",
         "sharded_checkpoints": True, "async_checkpoint": True, "preflight": False, "prepare_chunk": 2048,

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, fields
 from config import eval_tasks
 from config.data_formats import DEFAULT_DATASET, HUB_SPLIT, OVERLONG, default_split, parse_columns
 from config.declared import declared, number, setting, value_problem
+from config.modality import MODALITIES
 from config.splits import EXAMPLES, eval_split_problem, is_split
 from runtime.backend import BACKENDS, DTYPES
 from runtime.outcome import JobInputError
@@ -158,6 +159,9 @@ class FinetuneSettings:
                              high_why="far past what LoRA fine-tunes use (8 to 64)")  # fmt: skip
     lora_alpha: int = setting(32, "LoRA alpha: the adapters' update is scaled by alpha / rank", key="loraAlpha",
                               low=1, high=4096, high_why="the adapters' scale is alpha / rank")  # fmt: skip
+    modality: str = setting("auto", "which of Gemma 4's towers load: auto (what the records hold), text, image, audio "
+                            "or image+audio (records needing another are refused)", key="modality", choices=MODALITIES)  # fmt: skip
+    train_towers: bool = setting(False, "train the vision and audio towers too (default: frozen)", key="trainTowers")
     seed: int = setting(42, "seed of the weights' init, the data's order and the packing")
     # ---- the run
     log_every: int | None = setting(None, "steps between progress lines (default: about 10 an epoch)", low=1)

@@ -128,7 +128,8 @@ def open_image(data: bytes) -> ImageFacts:
         raise MediaError(f"cannot be decoded as an image ({err}); export it again as PNG or JPEG") from None
 
 
-def _peak(frames: bytes, width: int) -> float:
+def _samples(frames: bytes, width: int):
+    """PCM frames as signed integers (int64), whatever their width."""
     import numpy as np
 
     if width == 3:  # 24-bit: widen each sample to 4 bytes, sign from the top byte
@@ -139,6 +140,30 @@ def _peak(frames: bytes, width: int) -> float:
         samples = np.frombuffer(frames, dtype={1: np.uint8, 2: np.int16, 4: np.int32}[width]).astype(np.int64)
         if width == 1:
             samples = samples - 128  # 8-bit WAV is unsigned
+    return samples
+
+
+def clip_samples(data: bytes):
+    """A (checked) mono WAV file's samples as float32 in [-1, 1]: what the audio feature extractor reads."""
+    import numpy as np
+
+    with wave.open(io.BytesIO(data)) as clip:
+        width, frames = clip.getsampwidth(), clip.readframes(clip.getnframes())
+    return (_samples(frames, width) / float(1 << (8 * width - 1))).astype(np.float32)
+
+
+def picture(data: bytes):
+    """A (checked) image file as an RGB PIL image: what the image processor reads."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        return image.convert("RGB")
+
+
+def _peak(frames: bytes, width: int) -> float:
+    import numpy as np
+
+    samples = _samples(frames, width)
     full_scale = float(1 << (8 * width - 1))
     return float(np.abs(samples).max()) / full_scale if samples.size else 0.0
 
@@ -172,10 +197,14 @@ def open_clip(data: bytes) -> ClipFacts:
 
 
 class MediaCheck:
-    """Opens each file once, however many records name it: its facts, or its MediaError's message."""
+    """Opens each file once, however many records name it: its facts, or its MediaError's message; the last
+    KEPT files' contents too (a picture as RGB, a clip as float samples), for the record being prepared."""
+
+    KEPT = 64
 
     def __init__(self):
         self.seen: dict[tuple[str, str], ImageFacts | ClipFacts | str] = {}
+        self.kept: dict[tuple[str, str], object] = {}
 
     def problems(self, refs: list[MediaRef], data_file: str) -> list[str]:
         """One message a broken file, `WHERE 'REF': what is wrong; the fix`; relative paths are from `data_file`'s
@@ -190,8 +219,17 @@ class MediaCheck:
                 found.append(f"{ref.where} {ref.ref!r} {self.seen[key]}")
         return found
 
-    @staticmethod
-    def _open(kind: str, path: str) -> ImageFacts | ClipFacts | str:
+    def contents(self, refs: list[MediaRef], data_file: str) -> list:
+        """The checked files' contents, in the record's order (read again only if it fell out of the kept ones)."""
+        out = []
+        for ref in refs:
+            key = (ref.kind, located(ref.ref, data_file))
+            if key not in self.kept:
+                self._open(*key)
+            out.append(self.kept[key])
+        return out
+
+    def _open(self, kind: str, path: str) -> ImageFacts | ClipFacts | str:
         try:
             data = _read(path)
         except FileNotFoundError:
@@ -199,9 +237,13 @@ class MediaCheck:
         except OSError as err:
             return f"cannot be read ({err})"
         try:
-            return open_image(data) if kind == "image" else open_clip(data)
+            facts = open_image(data) if kind == "image" else open_clip(data)
         except MediaError as err:
             return str(err)
+        if len(self.kept) >= self.KEPT:
+            del self.kept[next(iter(self.kept))]
+        self.kept[(kind, path)] = picture(data) if kind == "image" else clip_samples(data)
+        return facts
 
 
 def located(ref: str, data_file: str) -> str:

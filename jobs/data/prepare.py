@@ -21,17 +21,18 @@ reads it back).
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 
 from data.labels import IGNORE
 from data.media import MediaCheck, data_file, media_refs, text_view
+from data.media_records import prepare_media_record
+from data.media_rows import media_arrays, media_processor_of, media_report, split_modality
 from data.prepared import SPLITS, Prepared
+from data.prepared_key import data_key
 from data.render import (
     RecordError,
     conversation,
@@ -43,10 +44,9 @@ from data.render import (
 )
 from data.sft_data import MAX_ERRORS, FileRecords, Source, bad_lines_message, load_splits, pack_rows
 from runtime.outcome import JobInputError
-from runtime.storage import filesystem, gcs
+from runtime.storage import filesystem
 
 PREPARED_DIR = "prepared"
-FORMAT = 2  # bumped whenever what a preparation writes changes
 
 
 # ---- what a chunk is and does -----------------------------------------------------------------
@@ -95,28 +95,46 @@ class ChunkStats:
     predicted: int = 0
     longest: tuple[int, str] = (0, "")
     formats: set[str] = field(default_factory=set)
-    media: int = 0  # records holding images or audio, every file of them readable
+    media: int = 0  # records used that hold pictures or sound
+    images: int = 0
+    clips: int = 0
+    image_tokens: int = 0
+    audio_tokens: int = 0
+    longest_clip_frames: int = 0
+    unreadable_by_model: str = ""  # why the model cannot read the chunk's pictures or sound, if it cannot
     errors: list[tuple[tuple[int, int], str]] = field(default_factory=list)  # ((file, line), message), first MAX_ERRORS
 
 
-def render_chunk(chunk: Chunk, source: Source, tokenizer, settings) -> tuple[list, list, ChunkStats]:
-    """The chunk's records as (token ids, trained flags) each, truncated or dropped at --seq-len."""
-    stats, ids_out, trained_out = ChunkStats(), [], []
+def render_chunk(chunk: Chunk, source: Source, tokenizer, settings) -> tuple[list, list, ChunkStats, list]:
+    """The chunk's records as (token ids, trained flags) each, truncated or dropped at --seq-len, and each used
+    record's pictures and sound (a media_records.MediaRecord, or None for a text record)."""
+    stats, ids_out, trained_out, media_out = ChunkStats(), [], [], []
     fmt = detect_format(source.data.column_names)
     stats.formats.add(fmt)
     columns = source.data[chunk.start : chunk.stop]  # one Arrow slice, not a lookup per record
     records = [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
     media = MediaCheck()
     for row, record in enumerate(records, chunk.start):
+        held = None
         try:
             if refs := media_refs(record) if fmt == "messages" else []:
                 conversation(text_view(record), fmt)  # the turns' roles, an assistant turn
                 if problems := media.problems(refs, data_file(source, row)):
                     raise RecordError("; ".join(problems))
-                stats.media += 1  # (not rendered: text only so far, refused after the check)
-                continue
-            turns = conversation(record, fmt)
-            ids, labels = tokenize(render(turns, tokenizer, settings.chat_template), tokenizer, settings.prompt_loss)
+                if stats.unreadable_by_model:  # (said once, after the records' own errors)
+                    continue
+                try:
+                    processor = media_processor_of(settings.model)
+                except JobInputError as err:
+                    stats.unreadable_by_model = str(err)
+                    continue
+                held = prepare_media_record(record, refs, media.contents(refs, data_file(source, row)), tokenizer,
+                                            processor, settings.prompt_loss)  # fmt: skip
+                ids, labels = held.ids, held.labels
+            else:
+                turns = conversation(record, fmt)
+                ids, labels = tokenize(render(turns, tokenizer, settings.chat_template), tokenizer,
+                                       settings.prompt_loss)  # fmt: skip
         except RecordError as err:
             if len(stats.errors) < MAX_ERRORS:
                 stats.errors.append((source.position(row), f"{source.where(row)}: {err}"))
@@ -125,17 +143,25 @@ def render_chunk(chunk: Chunk, source: Source, tokenizer, settings) -> tuple[lis
         if len(ids) > stats.longest[0]:
             stats.longest = (len(ids), source.where(row))
         if len(ids) > settings.seq_len:
-            if settings.overlong == "drop":
+            # a record's pictures and sound are never cut: one whose soft tokens do not all fit is dropped
+            if settings.overlong == "drop" or (held and held.media_end > settings.seq_len):
                 stats.dropped += 1
                 continue
             stats.truncated += 1
             ids, labels = ids[: settings.seq_len], labels[: settings.seq_len]
         ids_out.append(ids)
         trained_out.append([label != IGNORE for label in labels])
+        media_out.append(held)
         stats.used += 1
         stats.tokens += len(ids)
         stats.predicted += sum(trained_out[-1][1:])
-    return ids_out, trained_out, stats
+        if held:
+            stats.media += 1
+            stats.images, stats.clips = stats.images + len(held.pixels), stats.clips + len(held.clip_frames)
+            stats.image_tokens += held.image_tokens
+            stats.audio_tokens += held.audio_tokens
+            stats.longest_clip_frames = max([stats.longest_clip_frames, *held.clip_frames])
+    return ids_out, trained_out, stats, media_out
 
 
 def _npy(array) -> bytes:
@@ -150,7 +176,7 @@ def run_chunk(chunk: Chunk, source: SourceFiles, settings, target: str) -> dict:
     """One task: render the chunk and write its three arrays under `target` (a URI); returns its stats."""
     import numpy as np
 
-    ids, trained, stats = render_chunk(chunk, _reopen(source), _tokenizer(settings.tokenizer_ref), settings)
+    ids, trained, stats, media = render_chunk(chunk, _reopen(source), _tokenizer(settings.tokenizer_ref), settings)
     if not stats.errors:
         fs, base = filesystem(target)
         directory = f"{base}/{chunk.split}"
@@ -159,7 +185,7 @@ def run_chunk(chunk: Chunk, source: SourceFiles, settings, target: str) -> dict:
             "tokens": np.fromiter((t for r in ids for t in r), dtype=np.int32, count=stats.tokens),
             "trained": np.fromiter((t for r in trained for t in r), dtype=np.uint8, count=stats.tokens),
             "lengths": np.array([len(r) for r in ids], dtype=np.int32),
-        }
+        } | (media_arrays(media) if stats.media else {})
         for name, array in arrays.items():
             with fs.open_output_stream(f"{directory}/{chunk.index:05d}.{name}.npy") as f:
                 f.write(_npy(array))
@@ -260,62 +286,12 @@ def split_report(results: list[dict]) -> dict:
         "predicted_share": total["predicted"] / total["tokens"] if total["tokens"] else 0.0,
         "longest_record_tokens": longest["longest_tokens"],
         "longest_record": longest["longest_where"],
-    }
+    } | ({"media": media_report(results)} if any(r.get("media") for r in results) else {})
 
 
 def ranges_text(ranges: list[tuple[str, int, int]]) -> str:
     """Resolved record ranges as a split expression: [("train", 0, 188)] -> train[0:188]."""
     return "+".join(f"{name}[{start}:{stop}]" for name, start, stop in ranges)
-
-
-# ---- the key ----------------------------------------------------------------------------------
-
-
-def _file_digest(name: str) -> str:
-    """A file's content: sha256 of its bytes here; a gs:// object's checksum and generation (no download)."""
-    if name.startswith("gs://"):
-        info = gcs().info(name)
-        return json.dumps([info.get(k) for k in ("md5Hash", "crc32c", "generation", "size")])
-    digest = hashlib.sha256()
-    with open(name, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def data_fingerprint(settings) -> list:
-    from config.data_formats import is_file_source
-    from data.sft_data import data_files
-
-    if is_file_source(settings.dataset):
-        return [(os.path.basename(f), _file_digest(f)) for f in data_files(settings.dataset)]
-    _, _, loaded = load_splits(settings)  # the hub's copy, from datasets' cache after the first time
-    return [(settings.dataset, settings.dataset_config, n, s.data._fingerprint) for n, s in sorted(loaded.items())]
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    parts = [backend.to_str() if backend is not None else repr(tokenizer.get_vocab()), tokenizer.chat_template or "",
-             tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id]  # fmt: skip
-    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
-
-
-def data_key(settings, tokenizer) -> str:
-    """What shapes the rows, hashed: change any of it and the data is prepared again."""
-    shaping = {
-        "format": FORMAT,
-        "data": data_fingerprint(settings),
-        "tokenizer": tokenizer_fingerprint(tokenizer),
-        "recipe": [
-            settings.chat_template,
-            settings.prompt_loss,
-            settings.packing,
-            sorted(settings.column_renames.items()),
-        ],
-        "splits": [settings.split, settings.eval_split],
-        "rows": [settings.seq_len, settings.overlong, settings.seed, getattr(tokenizer, "padding_side", "right")],
-    }
-    return hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 # ---- preparing --------------------------------------------------------------------------------
@@ -355,8 +331,11 @@ def write_rows(target: str, split: str, results: list[dict], settings) -> int:
     import numpy as np
 
     lengths = [n for r in results for n in r["lengths"]]
+    media = any(r.get("media") for r in results)  # pictures and sound are not packed: one record a row
     layout = (
-        pack_rows(lengths, settings.seq_len, settings.seed) if settings.packing else [[i] for i in range(len(lengths))]
+        pack_rows(lengths, settings.seq_len, settings.seed)
+        if settings.packing and not media
+        else [[i] for i in range(len(lengths))]
     )
     offsets = np.zeros(len(layout) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(row) for row in layout])
@@ -364,6 +343,8 @@ def write_rows(target: str, split: str, results: list[dict], settings) -> int:
     write_object(f"{target}/{split}/rows.npy", _npy(records))
     write_object(f"{target}/{split}/row_offsets.npy", _npy(offsets))
     write_object(f"{target}/{split}/chunks.json", json.dumps([r["used"] for r in results]).encode())
+    if media:
+        write_object(f"{target}/{split}/media.json", json.dumps(media_report(results)).encode())
     return len(layout)
 
 
@@ -385,13 +366,12 @@ def prepare(settings, tokenizer, before_work: Callable[[], None] = lambda: None)
     results = run_chunks(chunks, sources, settings, target)
     if error := bad_records(results, [u for s in loaded.values() for u in s.unreadable]):
         raise error
-    if media := sum(r["media"] for r in results):
-        raise JobInputError(f"images or audio in {media} record{'s' * (media != 1)} (every file of them readable): "
-                            "this version fine-tunes on text only, Gemma 4's vision and audio towers are issue 46's "
-                            "work in progress; leave those records out for now")  # fmt: skip
+    if refused := next((r["unreadable_by_model"] for r in results if r["unreadable_by_model"]), None):
+        raise JobInputError(refused)
     report = {f"{split}_records": ranges_text(ranges) for split, ranges in zip(SPLITS, (train, held_out), strict=True)}
     for split in SPLITS:
         mine = [r for r in results if r["split"] == split]
         report[split] = split_report(mine) if mine else None
         report[f"{split}_rows"] = write_rows(target, split, mine, settings) if mine else 0
+    report["modality"] = split_modality(report)
     return done(target, report)

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 from data.labels import IGNORE
+from data.media_rows import RecordMedia, collate_media
 from data.sft_data import row_tensors
 from runtime.outcome import JobInputError
 from runtime.storage import filesystem, once_per_machine
@@ -61,6 +62,10 @@ class PreparedRows:
         self.rows = np.load(os.path.join(folder, "rows.npy"), mmap_mode="r")
         self.offsets = np.load(os.path.join(folder, "row_offsets.npy"))
         self.seq_len, self.pad_id, self.packing, self.left = seq_len, pad_id, packing, left
+        has_media = os.path.exists(os.path.join(folder, "media.json"))
+        in_chunk = np.arange(len(self.chunk_of)) - np.repeat(np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+        self.media = RecordMedia(folder, len(counts), self.chunk_of, in_chunk) if has_media else None
+        self.collate = collate_media if has_media else None  # (the DataLoader's: a batch's pictures vary in number)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -74,10 +79,12 @@ class PreparedRows:
         import numpy as np
 
         records = []
-        for i in self.rows[self.offsets[row] : self.offsets[row + 1]]:
+        indices = self.rows[self.offsets[row] : self.offsets[row + 1]]
+        for i in indices:
             ids, trained = self.record(i)
             records.append((ids, np.where(trained, ids, IGNORE)))
-        return row_tensors(records, self.seq_len, self.pad_id, self.packing, self.left)
+        tensors = row_tensors(records, self.seq_len, self.pad_id, self.packing, self.left)
+        return tensors if self.media is None else (*tensors, self.media.of([int(i) for i in indices]))
 
 
 def data_report(settings, prepared: Prepared, workers: int) -> dict:
@@ -101,6 +108,7 @@ def data_report(settings, prepared: Prepared, workers: int) -> dict:
         "eval": prepared.report["eval"],
         "train_rows": rows,
         "steps_per_epoch": rows // needed,
+        "modality": prepared.report.get("modality", "text"),
         "prepared": prepared.uri,
         "prepared_reused": prepared.reused,
     }
@@ -118,8 +126,41 @@ def print_data_report(report: dict) -> None:
         f"{report['steps_per_epoch']} steps an epoch",
         flush=True,
     )
+    if media := t.get("media"):
+        print(f"media: {media['records']} records hold {media['images']} pictures ({media['image_tokens']:,} soft "
+              f"tokens) and {media['clips']} clips ({media['audio_tokens']:,} soft tokens; the longest "
+              f"{media['longest_clip_frames']} frames); modality {report['modality']}; such records are not packed",
+              flush=True)  # fmt: skip
     e = report["eval"]
     print(f"eval: {e['records_used']} held-out records ({report['eval_split']}: {report['eval_records']}, not "
           f"trained on), {e['predicted_tokens']:,} tokens scored" if e else "eval: none", flush=True)  # fmt: skip
     print(f"prepared data: {report['prepared']} ({'reused' if report['prepared_reused'] else 'made now'})",
           flush=True)  # fmt: skip
+
+
+def with_modality(settings, report: dict):
+    """The settings the workers get: --modality auto made what the data holds (report["modality"]); a named one that
+    lacks a tower the data needs is refused. With pictures or sound, the before/after scoring and the sample answers
+    are off (they would be text-only prompts of media records: not built yet), said in the log."""
+    from dataclasses import replace
+
+    found, asked = report.get("modality", "text"), settings.modality
+    missing = [k for k in found.split("+") if k != "text" and asked != "auto" and k not in asked.split("+")]
+    if missing:
+        raise JobInputError(f"the records hold {' and '.join(missing)} but --modality is {asked}: pass --modality "
+                            f"{found} (or auto)")  # fmt: skip
+    resolved = replace(settings, modality=found if asked == "auto" else asked)
+    if resolved.modality != "text":
+        from transformers import AutoConfig
+
+        from config.modality import require_towers, towers_of
+        from runtime.storage import model_directory
+
+        ref = model_directory(settings.model)
+        require_towers(AutoConfig.from_pretrained(ref, token=os.environ.get("HF_TOKEN")), towers_of(resolved.modality),
+                       settings.model)  # fmt: skip
+    if found == "text" or (settings.eval_tasks == "none" and not settings.eval_samples):
+        return resolved
+    print("media records: the held-out loss is scored, the before/after tasks and sample answers are not (not built "
+          "for pictures and sound yet)", flush=True)  # fmt: skip
+    return replace(resolved, eval_tasks="none", eval_samples=0)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from config.data_formats import LOCAL_DATA, auto_eval_count, is_file_source
 from config.splits import overlap
-from data.labels import IGNORE, predicted_tokens
+from data.labels import IGNORE
 from runtime.outcome import JobInputError
 from runtime.storage import fsspec_options, gcs
 
@@ -384,15 +384,12 @@ def packed_examples(docs, seq_len: int, pad_id: int, seed: int):
 
 
 def model_inputs(batch, packing: bool, device) -> dict:
-    """What the model is called with: packed rows pass positions and no mask, padded ones a mask."""
-    input_ids, real, labels, positions = (t.to(device) for t in batch)
+    """The model's inputs: packed rows' positions (no mask), or padded rows' mask; a media batch's towers' inputs."""
+    input_ids, real, labels, positions = (t.to(device) for t in batch[:4])
+    media = {k: v.to(device) for k, v in batch[4].items()} if len(batch) > 4 else {}
     if packing:
-        return {"input_ids": input_ids, "position_ids": positions, "labels": labels}
-    return {"input_ids": input_ids, "attention_mask": real, "labels": labels}
-
-
-def batch_predicted(batch) -> int:
-    return int(predicted_tokens(batch[2]))
+        return {"input_ids": input_ids, "position_ids": positions, "labels": labels} | media
+    return {"input_ids": input_ids, "attention_mask": real, "labels": labels} | media
 
 
 def real_token_share(docs: list[list[int]], seq_len: int) -> float:

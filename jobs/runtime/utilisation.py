@@ -41,17 +41,21 @@ def model_flops_per_token(
     return 6 * trainable_matmul_params + 4 * frozen_matmul_params + attention_flops
 
 
+TOWER_NAMES = ("vision_tower", "audio_tower", "embed_vision", "embed_audio")  # Gemma4Model's (training/model.py)
+
+
 def describe(model) -> tuple[int, int, list[AttentionLayer]]:
     """(trainable matmul params, frozen matmul params, attention layers) of a loaded, unsharded model.
 
     Matmul weights are those of nn.Linear modules, the LM head included (tied to the token
-    embedding, whose lookup itself costs nothing).
+    embedding, whose lookup itself costs nothing). The vision and audio towers are left out: their work is per
+    picture or clip, not per token (MFU counts the language model's).
     """
     import torch
 
     trainable = frozen = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not any(t in name for t in TOWER_NAMES):
             if module.weight.requires_grad:
                 trainable += module.weight.numel()
             else:
@@ -60,7 +64,7 @@ def describe(model) -> tuple[int, int, list[AttentionLayer]]:
     attention = [
         AttentionLayer(text.num_attention_heads, m.head_dim, m.sliding_window)
         for name, m in model.named_modules()
-        if name.endswith("self_attn") and hasattr(m, "head_dim")
+        if name.endswith("self_attn") and hasattr(m, "head_dim") and not any(t in name for t in TOWER_NAMES)
     ]
     return trainable, frozen, attention
 

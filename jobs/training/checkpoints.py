@@ -174,7 +174,8 @@ class ShardedCheckpointer:
 
 def save_pretrained(model, tokenizer, directory: str, lora=None) -> None:
     """Gather the full state (all ranks take part; frozen parameters too), then rank 0 writes a
-    from_pretrained directory: weights, config, generation config, tokenizer with its chat template.
+    from_pretrained directory: weights, config, generation config, tokenizer with its chat template (and, with
+    towers, the processor).
     With LoRA the adapters are merged into the weights (loading needs no peft), and also written
     alone to `adapter/`, loadable with peft (`lora`: the adapters' peft LoraConfig)."""
     import torch.distributed as dist
@@ -192,6 +193,11 @@ def save_pretrained(model, tokenizer, directory: str, lora=None) -> None:
         save_adapter(adapters, lora, model.config._name_or_path, f"{directory}/{ADAPTER_DIR}")
     model.save_pretrained(directory, state_dict=state_dict)
     tokenizer.save_pretrained(directory)
+    if getattr(model.model, "vision_tower", None) is not None or getattr(model.model, "audio_tower", None) is not None:
+        from data.media_processor import load_media_processor
+
+        # the towers' processor beside them: a from_pretrained directory a server loads with its pictures and sound
+        load_media_processor(model.config._name_or_path).save_pretrained(directory)
 
 
 def export_pretrained(model, tokenizer, filesystem, target: str, lora=None) -> None:

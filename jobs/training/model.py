@@ -1,12 +1,14 @@
 """Every change made to the model, in one place, composed by `build_model` in one order
 (torchtitan's parallelize.py):
 
-1. load, in the compute dtype, text only;
-2. freeze the per-layer embedding table (kept out of FSDP);
+1. load, in the compute dtype, with the towers --modality needs (text: none);
+2. freeze the per-layer embedding table (kept out of FSDP), and the towers unless --train-towers;
 3. LoRA adapters (before FSDP, as torchtune does, so each unit holds one dtype);
 4. activation checkpointing (before FSDP, so the recomputation gathers the layer again);
 5. FSDP2 over the mesh (`device_mesh`: one slice's devices; across slices HSDP, the model sharded
-   within each slice and replicated across them): each decoder layer a unit, then the root,
+   within each slice and replicated across them): each decoder layer a unit, then the root (with the towers:
+   a tower of its own unit would all-gather only on the ranks whose rows hold its media, and ranks whose rows
+   differ would call the collectives in different orders),
    `TokenLoss`, whose forward is the summed token loss.
 
 `apply_tp` is here too: the collectives check's tensor-parallel parity applies it to its toy block.
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from config.modality import TOWERS, require_towers, towers_of
 from data.render import load_tokenizer, stop_token_ids
 from runtime import torch_tpu_api
 from runtime.memory_plan import ModelShape, shape_of
@@ -29,23 +32,58 @@ from training.lora import TARGET_PATTERN
 from training.recipe import token_loss_sum
 
 
-def load_model(ref: str, dtype: str = "bfloat16", attention: str = "eager"):
-    """In the compute dtype (so the unsharded per-layer table matches), text only, no KV cache; `attention` is
-    transformers' attn_implementation (eager or sdpa). A gs:// directory is copied to this machine first."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def load_model(ref: str, dtype: str = "bfloat16", attention: str = "eager", towers: tuple[str, ...] = ()):
+    """In the compute dtype (so the unsharded per-layer table matches), with only the `towers` named (text only:
+    the causal LM), no KV cache; `attention` is transformers' attn_implementation (eager or sdpa). A gs://
+    directory is copied to this machine first."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from runtime.storage import model_directory
 
     token, ref = os.environ.get("HF_TOKEN"), model_directory(ref)
     config = AutoConfig.from_pretrained(ref, token=token)
-    for tower in ("vision_config", "audio_config"):
-        if hasattr(config, tower):
+    require_towers(config, towers, ref)
+    for kind, (tower, _) in TOWERS.items():
+        if kind not in towers and hasattr(config, tower):
             setattr(config, tower, None)
-    model = AutoModelForCausalLM.from_pretrained(
-        ref, config=config, dtype=getattr(torch, dtype), attn_implementation=attention, token=token
-    )
+    auto = AutoModelForImageTextToText if towers else AutoModelForCausalLM
+    model = auto.from_pretrained(ref, config=config, dtype=getattr(torch, dtype), attn_implementation=attention,
+                                 token=token)  # fmt: skip
     model.config.use_cache = False
     return model
+
+
+def tower_modules(model) -> list:
+    """The towers the model holds and their embedders (none for the causal LM)."""
+    return [getattr(model.model, name) for _, names in TOWERS.values() for name in names
+            if getattr(model.model, name, None) is not None]  # fmt: skip
+
+
+def idle_towers(model, media: dict):
+    """0 x the output of each tower this micro-batch gives nothing to (a rank whose rows hold no picture, say), run on
+    a blank input, when the towers train: every trainable weight then has a gradient (zeros) on every rank, as the
+    root unit's reduce-scatter needs (each rank sends the same parameters' gradients), and the loss is unchanged.
+    The blank picture is one pooling window of patches (one soft token), the blank clip 16 silent frames."""
+    zero = torch.zeros((), device=next(model.parameters()).device)
+    if model.vision_tower is not None and "pixel_values" not in media:
+        vision = model.config.vision_config
+        k, patch = vision.pooling_kernel_size, vision.patch_size
+        positions = torch.tensor([[[x, y] for y in range(k) for x in range(k)]], device=zero.device)
+        pixels = torch.zeros((1, k * k, 3 * patch * patch), device=zero.device)
+        zero = zero + 0.0 * sum(f.float().sum() for f in model.get_image_features(pixels, positions).pooler_output)
+    if model.audio_tower is not None and "input_features" not in media:
+        bins = model.config.audio_config.subsampling_conv_channels[0]  # the mel bins (modeling_gemma4's projection)
+        frames = torch.zeros((1, 16, bins), device=zero.device)
+        mask = torch.ones((1, 16), dtype=torch.bool, device=zero.device)
+        zero = zero + 0.0 * model.get_audio_features(frames, mask).pooler_output.float().sum()
+    return zero
+
+
+def freeze_towers(model) -> None:
+    """The vision and audio towers and their embedders trained no further (the default; --train-towers trains
+    them)."""
+    for module in tower_modules(model):
+        module.requires_grad_(False)
 
 
 def language_model(model):
@@ -102,16 +140,30 @@ class TokenLoss(torch.nn.Module):
         self.causal_lm, self.loss_chunk, self.attention_kernels = causal_lm, loss_chunk, attention_kernels
         self.softcap = causal_lm.config.get_text_config().final_logit_softcapping
 
-    def forward(self, input_ids, labels, attention_mask=None, position_ids=None, per_row: bool = False):
-        """The token losses' sum; `per_row`: each row's sum of log p(label) instead (DPO's, dpo.py)."""
+    def forward(self, input_ids, labels, attention_mask=None, position_ids=None, per_row: bool = False, **media):
+        """The token losses' sum; `per_row`: each row's sum of log p(label) instead (DPO's, dpo.py). `media`: the
+        towers' inputs (prepared.RecordMedia.of), the soft tokens' types derived from the ids as the processor
+        derives them (1 a picture's, 3 a clip's: processing_utils.create_mm_token_type_ids)."""
+        if media:
+            media["mm_token_type_ids"] = self.media_token_types(input_ids)
         with self.attention_kernels():
             out = self.causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                       use_cache=False)  # fmt: skip
+                                       use_cache=False, **media)  # fmt: skip
         if per_row:
             return row_log_probs(out.last_hidden_state, self.causal_lm.lm_head.weight, labels, self.softcap,
                                  self.loss_chunk)  # fmt: skip
-        return token_loss_sum(out.last_hidden_state, self.causal_lm.lm_head.weight, labels, self.softcap,
-                              self.loss_chunk)  # fmt: skip
+        summed = token_loss_sum(out.last_hidden_state, self.causal_lm.lm_head.weight, labels, self.softcap,
+                                self.loss_chunk)  # fmt: skip
+        return summed + idle_towers(self.causal_lm.model, media) if self.trains_towers() else summed
+
+    def trains_towers(self) -> bool:
+        return any(p.requires_grad for m in tower_modules(self.causal_lm) for p in m.parameters())
+
+    def media_token_types(self, input_ids):
+        config = self.causal_lm.config
+        types = torch.zeros_like(input_ids)
+        types = torch.where(input_ids == config.image_token_id, 1, types)
+        return torch.where(input_ids == config.audio_token_id, 3, types)
 
 
 def device_mesh(device_type: str, world: int, num_slices: int = 1):
@@ -186,7 +238,7 @@ def load_model_and_tokenizer(settings, dtype: str, restored):
     with restored.as_directory() if full else nullcontext(None) as restored_dir:
         source = restored_dir or settings.model
         tokenizer = load_tokenizer(settings.tokenizer or source)
-        model = load_model(source, dtype, settings.attention)
+        model = load_model(source, dtype, settings.attention, towers_of(settings.modality))
     return model, tokenizer
 
 
@@ -226,6 +278,8 @@ def build_model(settings, backend, dtype: str, world: int, restored) -> Trainee:
     if settings.chat_template:
         stop_at_end_of_turn(model, tokenizer)
     frozen = freeze_per_layer_embeddings(model)
+    if not settings.train_towers:
+        freeze_towers(model)
     shape = shape_of(model)  # before LoRA: the plan adds the adapters itself
     lora = apply_lora(model, settings.lora_rank, settings.lora_alpha) if settings.lora else None
     if settings.activation_checkpointing:

@@ -17,18 +17,9 @@ import os
 from collections.abc import Callable
 
 from data.preference_data import Pair, pair_rows, read_pairs
-from data.prepare import (
-    PREPARED_DIR,
-    data_fingerprint,
-    done,
-    exists,
-    found_prepared,
-    ranges_text,
-    split_report,
-    tokenizer_fingerprint,
-    write_object,
-)
+from data.prepare import PREPARED_DIR, done, exists, found_prepared, ranges_text, split_report, write_object
 from data.prepared import SPLITS, Prepared
+from data.prepared_key import data_fingerprint, tokenizer_fingerprint
 from runtime.storage import filesystem
 
 FORMAT = 1  # bumped whenever what prepare_pairs writes changes

@@ -44,7 +44,7 @@ class TrainingData:
         self.sampler = resumable_sampler()(rows, num_replicas=world, rank=rank, shuffle=True, seed=settings.seed,
                                            drop_last=True)  # fmt: skip
         self.loader = torch.utils.data.DataLoader(rows, batch_size=settings.batch_size, sampler=self.sampler,
-                                                  drop_last=True)  # fmt: skip
+                                                  drop_last=True, collate_fn=rows.collate)  # fmt: skip
         self.rows_per_step = settings.batch_size * settings.grad_accum
         self.steps = steps_per_epoch(len(self.loader), settings.grad_accum)
         has_eval = os.path.exists(os.path.join(directory, "eval", "rows.npy"))
@@ -235,7 +235,8 @@ def evaluate(model, dataset, batch_size: int, packing: bool, rank: int, world: i
     """The loss over every predicted token of the eval rows (token-weighted, all ranks); no gradients."""
     import torch
 
-    loader = torch.utils.data.DataLoader(eval_rows(dataset, rank, world), batch_size=batch_size)
+    loader = torch.utils.data.DataLoader(eval_rows(dataset, rank, world), batch_size=batch_size,
+                                         collate_fn=getattr(dataset, "collate", None))  # fmt: skip
     loss_sum = predicted = 0.0
     was_training = model.training
     model.eval()

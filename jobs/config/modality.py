@@ -1,0 +1,31 @@
+"""What the records hold, and so which of Gemma 4's towers the fine-tune loads (issue 46): --modality, its resolution
+from the data, and the towers a model's config must have for it. Torch-free: the driver and the stack read it."""
+
+from __future__ import annotations
+
+from runtime.outcome import JobInputError
+
+MODALITIES = ("auto", "text", "image", "audio", "image+audio")  # --modality's choices
+# a tower's kind -> its config in Gemma4Config, its modules in Gemma4Model (transformers 5.23, modeling_gemma4.py)
+TOWERS = {"image": ("vision_config", ("vision_tower", "embed_vision")),
+          "audio": ("audio_config", ("audio_tower", "embed_audio"))}  # fmt: skip
+MEDIA_OF = {"image": "pictures", "audio": "sound"}
+
+
+def towers_of(modality: str) -> tuple[str, ...]:
+    """The towers a modality needs: text (or auto, which the driver resolves from the data first) none."""
+    return tuple(kind for kind in TOWERS if kind in modality.split("+"))
+
+
+def modality_of(images: int, clips: int) -> str:
+    """text, image, audio or image+audio: what records holding `images` pictures and `clips` clips need."""
+    return "+".join(kind for kind, n in (("image", images), ("audio", clips)) if n) or "text"
+
+
+def require_towers(config, towers: tuple[str, ...], ref: str) -> None:
+    """Raises JobInputError when a model's config (a transformers config) lacks a tower the data needs (Gemma 4's
+    26B-A4B and 31B have no audio tower; a text-only checkpoint none)."""
+    if missing := [kind for kind in towers if getattr(config, TOWERS[kind][0], None) is None]:
+        raise JobInputError(f"--model {ref} has no {' or '.join(missing)} tower, which the records' "
+                            f"{' and '.join(MEDIA_OF[k] for k in missing)} need: use a Gemma 4 size that has it (E2B "
+                            "and E4B have both), or leave those records out")  # fmt: skip

@@ -1,0 +1,207 @@
+"""Fine-tuning on pictures and sound (issue 46): records prepared with their soft tokens and the towers' inputs
+(jobs/data/media_records.py), the towers frozen, and the same tokens, trained positions and losses as TRL's
+SFTTrainer (trl 1.16.0) step for step on the tiny model with both towers, on one rank and on two."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.inprocess import settings
+
+STEPS = 3
+LR = 1e-3
+
+
+@pytest.fixture(scope="module")
+def media_assets(tmp_path_factory) -> dict:
+    from tiny_assets import make_media, make_media_model
+
+    out = tmp_path_factory.mktemp("media-assets")
+    return {"model": str(make_media_model(out / "model")), "dataset": str(make_media(out)), "dir": str(out)}
+
+
+def job_settings(assets: dict, world: int, *flags: str):
+    """The job's settings for the whole of the media records as one global batch, AdamW at a constant LR."""
+    records = sum(1 for _ in open(assets["dataset"]))
+    return settings(assets, "--split", "train", "--eval-split", "none", "--eval-tasks", "none", "--eval-samples", "0",
+                    "--batch-size", str(records // world), "--num-workers", str(world), "--no-packing",
+                    "--lr", str(LR), "--lr-schedule", "constant", "--warmup-ratio", "0", "--max-grad-norm", "1.0",
+                    "--weight-decay", "0", "--max-steps", str(STEPS), "--seq-len", "256", "--modality", "image+audio",
+                    *flags)  # fmt: skip
+
+
+def trl_examples(assets: dict) -> list[dict]:
+    """The records as TRL's vision format holds them: an `images` column beside `{"type": "image"}` parts, and each
+    clip's samples in its part (transformers' processor reads arrays; reading a WAV path would need soundfile)."""
+    import os
+
+    from data.media import clip_samples, picture
+
+    examples = []
+    for line in open(assets["dataset"]):
+        record, images = json.loads(line), []
+        for turn in record["messages"]:
+            for part in turn["content"]:
+                if part["type"] in ("image", "audio"):
+                    data = open(os.path.join(assets["dir"], part.pop(part["type"])), "rb").read()
+                    if part["type"] == "image":
+                        images.append(picture(data))
+                    else:
+                        part["audio"] = clip_samples(data)
+        examples.append({"images": images, "messages": record["messages"]})
+    return examples
+
+
+def trl_trainer(assets: dict, out, batch: int):
+    """TRL's SFTTrainer on the tiny media model, the towers and the per-layer table frozen as the job freezes them;
+    assistant_only_loss (the model turns and their end-of-turn markers: the tiny template's generation span)."""
+    from trl import SFTConfig, SFTTrainer
+
+    from data.media_processor import load_media_processor
+    from training.model import freeze_per_layer_embeddings, freeze_towers, load_model
+
+    model = load_model(assets["model"], "float32", towers=("image", "audio"))
+    freeze_per_layer_embeddings(model)
+    freeze_towers(model)
+    config = SFTConfig(output_dir=str(out), per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+                       learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
+                       weight_decay=0.0, max_steps=STEPS, logging_steps=1, report_to=[], use_cpu=True,
+                       assistant_only_loss=True, max_length=None, save_strategy="no", seed=0, bf16=False,
+                       remove_unused_columns=False, dataloader_drop_last=True)  # fmt: skip
+    return SFTTrainer(model=model, args=config, train_dataset=trl_dataset(assets),
+                      processing_class=load_media_processor(assets["model"]))  # fmt: skip
+
+
+def trl_dataset(assets: dict):
+    """trl_examples as a datasets.Dataset (pictures as its Image feature), each clip's samples an array again when
+    read (Arrow keeps them as a list, which transformers' load_audio refuses)."""
+    import numpy as np
+    from datasets import Dataset
+
+    def arrays(batch: dict) -> dict:
+        for messages in batch["messages"]:
+            for turn in messages:
+                for part in turn["content"]:
+                    if part.get("audio") is not None:
+                        part["audio"] = np.asarray(part["audio"], dtype=np.float32)
+        return batch
+
+    for example in (examples := trl_examples(assets)):
+        for turn in example["messages"]:
+            for part in turn["content"]:
+                if part.get("audio") is not None:
+                    part["audio"] = part["audio"].tolist()
+    return Dataset.from_list(examples).with_transform(arrays)
+
+
+def our_rows(config) -> list[tuple[list[int], list[int]]]:
+    """The prepared training rows' (ids, labels), padding cut, record by record."""
+    from data.prepared import PreparedRows, local_directory
+    from data.render import load_tokenizer
+    from training.step import scratch_prepared
+
+    tokenizer = load_tokenizer(config.tokenizer_ref)
+    from data.prepare import prepare
+
+    rows = PreparedRows(local_directory(scratch_prepared(config, tokenizer, prepare)), "train", config.seq_len,
+                        tokenizer.pad_token_id, False)  # fmt: skip
+    out = []
+    for i in range(len(rows)):
+        ids, real, labels, _, _ = rows[i]
+        n = int(real.sum())
+        out.append((ids[:n].tolist(), labels[:n].tolist()))
+    return out
+
+
+def their_rows(trainer) -> list[tuple[list[int], list[int]]]:
+    collate = trainer.data_collator
+    out = []
+    for example in trl_examples_of(trainer):
+        batch = collate([example])
+        n = int(batch["attention_mask"][0].sum())
+        out.append((batch["input_ids"][0][:n].tolist(), batch["labels"][0][:n].tolist()))
+    return out
+
+
+def trl_examples_of(trainer) -> list[dict]:
+    import copy
+
+    return [copy.deepcopy(trainer.train_dataset[i]) for i in range(len(trainer.train_dataset))]
+
+
+def loads_with_media(export: str, assets: dict) -> float:
+    """The export loaded as transformers loads it for serving (the conditional-generation model and its processor):
+    a record with a picture and a clip through it, its loss."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from data.media_processor import load_media_processor
+
+    model = AutoModelForImageTextToText.from_pretrained(export, dtype=torch.float32)
+    processor = load_media_processor(export)
+    example = trl_examples(assets)[4]  # a picture and a clip
+    messages = [{**turn, "content": [{**p, "image": example["images"][0]} if p["type"] == "image" else p
+                                     for p in turn["content"]]} for turn in example["messages"]]  # fmt: skip
+    batch = processor.apply_chat_template([messages], tokenize=True, return_dict=True, return_tensors="pt")
+    with torch.no_grad():
+        return float(model(**batch, labels=batch["input_ids"]).loss)
+
+
+def _media_rank_main(rank: int, world: int, rendezvous: str, assets: dict, out: str) -> None:
+    """One rank of the job's loop over the media records (tests/inprocess.run): rank 0 saves each step's global loss
+    sum, count and gradient norm, and whether any tower weight could train."""
+    import torch
+    import torch.distributed as dist
+
+    from tests.inprocess import _join, run
+    from training.checkpoints import save_pretrained
+    from training.model import tower_modules
+
+    _join(rank, world, rendezvous)
+    try:
+        steps = []
+
+        def on_step(_step, result) -> None:
+            loss_sum = result.loss_sum.clone()
+            dist.all_reduce(loss_sum)
+            steps.append({"loss": float(loss_sum) / result.counts[0], "grad_norm": float(result.grad_norm)})
+
+        trainee, _ = run(job_settings(assets, world), rank, world, on_step=on_step)
+        towers = tower_modules(trainee.model)
+        trainable = any(p.requires_grad for m in towers for p in m.parameters())
+        export = os.path.join(os.path.dirname(out), "export")
+        save_pretrained(trainee.model, trainee.tokenizer, export)
+        if rank == 0:
+            torch.save({"steps": steps, "towers": len(towers), "tower_trainable": trainable,
+                        "export": loads_with_media(export, assets)}, out)  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_media_records_train_as_trls_sft_trainer_trains_them(media_assets, tmp_path):
+    """The six tiny records (a picture, a clip, a picture and a clip, two pictures) as one global batch, 3 steps, on
+    one rank and on two: the same tokens, the same trained positions (the answers and their end-of-turn markers; no
+    soft token), and each step's loss and gradient norm within 1e-4 of TRL's SFTTrainer's; the towers frozen."""
+    from tests.inprocess import _spawn
+
+    records = sum(1 for _ in open(media_assets["dataset"]))
+    trainer = trl_trainer(media_assets, tmp_path / "trl", records)
+    ours, theirs = our_rows(job_settings(media_assets, 1)), their_rows(trainer)
+    assert [ids for ids, _ in ours] == [ids for ids, _ in theirs]
+    assert [labels for _, labels in ours] == [labels for _, labels in theirs]
+    assert all(any(label != -100 for label in labels) for _, labels in ours)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h][:STEPS]
+    for world in (1, 2):
+        run = _spawn(_media_rank_main, world, media_assets)
+        assert run["towers"] == 4 and not run["tower_trainable"]  # both towers and their embedders, frozen
+        assert len(logged) == len(run["steps"]) == STEPS
+        for step, (a, b) in enumerate(zip(run["steps"], logged, strict=True)):
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-4), (world, step, a, b)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=1e-4, rel=1e-4), (world, step, a, b)
+        assert run["steps"][-1]["loss"] < run["steps"][0]["loss"]
+        assert run["export"] > 0  # (a finite loss: the picture's and the clip's soft tokens matched their towers')
