@@ -22,7 +22,7 @@ from infra.capacity import (
     flex_start_run_minutes,
 )
 from infra.config_reader import Reader, key, parse_version, version_at_least
-from infra.job_modules import data_formats
+from infra.job_modules import data_formats, modality
 from infra.tpu import GENERATIONS, TpuSlice, is_topology
 
 MODES = ("standard", "autopilot", "local")
@@ -281,6 +281,20 @@ def memory(r: Reader, tpu_slice: TpuSlice, job) -> None:
         f"usable with the plan's margin): {parts}. "
         + (f"It would fit with {advice}." if advice else "Nothing the stack can set makes it fit.")
     )
+
+
+def towers(r: Reader, job) -> None:
+    """A modality that needs a tower the model's size lacks (a size the table knows) is refused at preview."""
+    from infra.models import TOWERS, known_model, missing_towers
+
+    if known_model(job.model) is not None and known_model(job.model).name == "12B" and modality.towers_of(job.modality):
+        r.problem(f"{key('modality')}: {job.modality} on {job.model}: {modality.UNBUILT['gemma4_unified']}")
+    elif missing := missing_towers(job):
+        size = known_model(job.model).name
+        having = [name for name, t in TOWERS.items() if all(getattr(t, k) for k in missing)]
+        r.problem(f"{key('modality')}: {job.modality} needs Gemma 4's {' and '.join(missing)} tower, which "
+                  f"{job.model} ({size}) does not have: use a size that has it ({', '.join(having)}: "
+                  f"google/gemma-4-{having[0]}-it), or a modality without it")  # fmt: skip
 
 
 def names(r: Reader) -> dict[str, str]:

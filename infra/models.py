@@ -12,6 +12,14 @@ public restatements (MaxText's checkpoint-conversion configs, mlx and vLLM ports
 | E4B | 42 | 2560 | 8/2 | 512 | 18 KV-shared layers; per-layer table 262,144 x 42 x 256 |
 | 26B-A4B | 30 | 2816 | 16/8 (2 global) | 1024 | 128 experts of width 704, top 8, beside a dense MLP of 2112; K = V on global layers |
 | 31B | 60 | 5376 | 32/16 (4 global) | 1024 | dense, intermediate 21,504; K = V on global layers |
+| 12B | 48 | 3840 | 16/8 (4 global) | 1024 | dense, intermediate 15,360; K = V on global layers; `gemma4_unified` |
+
+The 12B (google/gemma-4-12B-it, published after the others) is transformers 5.23's `gemma4_unified`: the same
+decoder, and instead of vision and audio towers two small embedders of raw patches and waveform frames
+(modeling_gemma4_unified.py). Its shape is ggml-org's conversion of the hub checkpoint as Ollama's library lists
+it (gemma4:12b-it-q8_0: 48 blocks, width 3840, 16 heads, 8 KV heads, feed-forward 15,360, key length 512 global /
+256 sliding, window 1024, context 262,144, no per-layer input; read 2026-12); the global layers' 4 KV heads with
+K = V (as 31B's) are what makes the decoder 11,954,536,192 parameters, the model card's 11.95B.
 
 All: vocabulary 262,144, the head tied to the token embedding, final-logit soft-cap 30. Parameter
 counts agree with the model cards' (E2B about 5.1B and E4B about 8B with their vision and audio
@@ -22,8 +30,10 @@ towers, which the fine-tune drops; 26B-A4B 25.2B; 31B 30.7B), and so do the acti
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from infra.job_modules import memory_plan as plans
+from infra.job_modules import modality
 
 MemoryPlan, ModelShape, Workload = plans.MemoryPlan, plans.ModelShape, plans.Workload
 
@@ -42,15 +52,42 @@ MODELS: dict[str, ModelShape] = {
         ModelShape("31B", params=30697345280, per_layer_table=0, embedding=1409286144, largest_layer=534009856,
                    lora_in_out=7651840, layers=60, hidden=5376, mlp_width=21504, query_width=9557, kv_width=3754,
                    heads=32, vocab=262144, sliding_window=1024, active_params=30697345280),
+        ModelShape("12B", params=11954536192, per_layer_table=0, embedding=1006632960, largest_layer=247742464,
+                   lora_in_out=4110336, layers=48, hidden=3840, mlp_width=15360, query_width=4778, kv_width=2048,
+                   heads=16, vocab=262144, sliding_window=1024, active_params=11954536192),
     )
 }  # fmt: skip
 
-# Each size's context in tokens: 128K for E2B and E4B, 256K for 26B-A4B and 31B (the Gemma 4 model card, "Context
-# windows", read 2026-12): the longest serveMaxModelLen the stack accepts.
-CONTEXT_TOKENS = {"E2B": 131_072, "E4B": 131_072, "26B-A4B": 262_144, "31B": 262_144}
+# Each size's context in tokens: 128K for E2B and E4B, 256K for 12B, 26B-A4B and 31B (the Gemma 4 model card,
+# "Context windows", read 2026-12): the longest serveMaxModelLen the stack accepts.
+CONTEXT_TOKENS = {"E2B": 131_072, "E4B": 131_072, "12B": 262_144, "26B-A4B": 262_144, "31B": 262_144}
+
+
+@dataclass(frozen=True)
+class Towers:
+    """Parameters of a size's vision and audio towers with their embedders (0: the size has none), which the
+    fine-tune loads when the records hold pictures or sound (config.modality)."""
+
+    image: int
+    audio: int
+    source: str
+
+
+# The model card's "Vision Encoder Parameters" and "Audio Encoder Parameters" (~150M and ~300M for E2B and E4B,
+# ~550M and none for 31B; read 2026-12 as restated with the family table by public ports); 26B-A4B's vision tower
+# is 31B's (27 blocks of width 1152 in both GGUF conversions) and its config.json has no audio_config; 12B's are
+# its two embedders as transformers 5.23 builds them on Gemma4Unified's defaults, which are the shapes of the hub
+# checkpoint's (patch projection 6912 x 3840, waveform projection 640 x 3840 in ggml-org's conversion).
+TOWERS = {
+    "E2B": Towers(image=150_000_000, audio=300_000_000, source="model card (~150M, ~300M)"),
+    "E4B": Towers(image=150_000_000, audio=300_000_000, source="model card (~150M, ~300M)"),
+    "12B": Towers(image=49_922_304, audio=2_457_600, source="transformers 5.23 gemma4_unified embedders"),
+    "26B-A4B": Towers(image=550_000_000, audio=0, source="31B's vision tower; config.json audio_config null"),
+    "31B": Towers(image=550_000_000, audio=0, source="model card (~550M, no audio)"),
+}
 
 # google/gemma-4-E2B-it, google/gemma-4-31B (base or -it): the same weights' shapes.
-_HUB_ID = re.compile(r"^google/gemma-4-(E2B|E4B|26B-A4B|31B)(-it)?$", re.IGNORECASE)
+_HUB_ID = re.compile(r"^google/gemma-4-(E2B|E4B|12B|26B-A4B|31B)(-it)?$", re.IGNORECASE)
 
 
 def known_model(ref: str) -> ModelShape | None:
@@ -59,12 +96,26 @@ def known_model(ref: str) -> ModelShape | None:
     return MODELS[next(k for k in MODELS if k.lower() == m.group(1).lower())] if m else None
 
 
+def tower_params(job) -> int:
+    """Parameters of the towers the job's modality loads on a size the table knows (auto: none at preview)."""
+    model = known_model(job.model)
+    towers = TOWERS[model.name] if model is not None else Towers(0, 0, "")
+    return sum(getattr(towers, kind) for kind in modality.towers_of(job.modality))
+
+
+def missing_towers(job) -> list[str]:
+    """The towers the job's modality needs that its size (a known one) does not have."""
+    model = known_model(job.model)
+    return [k for k in modality.towers_of(job.modality) if model is not None and not getattr(TOWERS[model.name], k)]
+
+
 def workload_of(job, tpu_slice) -> Workload:
     """The plan's view of the stack's job settings on a slice (bf16, as on TPU)."""
     return Workload(
         devices=tpu_slice.devices, batch=job.batch_size, seq_len=job.seq_len, dtype_bytes=2,
         activation_checkpointing=job.activation_checkpointing, lora=job.lora, lora_rank=job.lora_rank,
         loss_chunk=job.loss_chunk, sequences=plans.sequences_per_record(job.objective),
+        tower_params=tower_params(job), train_towers=job.train_towers,
     )  # fmt: skip
 
 
@@ -91,8 +142,13 @@ def memory_plan_output(job, tpu_slice, num_slices: int = 1) -> dict:
     if planned is None:
         return {"model": job.model, "plan": "none at preview: not a Gemma 4 size of infra/models.py; the job "
                 "prints its plan from the model's config.json (memory_plan_gib, each epoch)"}  # fmt: skip
+    towers = {"modality": job.modality}
+    if job.modality == "auto":
+        towers["towers"] = ("not counted: modality auto reads the data in the job (its memory_plan_gib counts them); "
+                            "set modality to plan them here")  # fmt: skip
     return {"model": job.model, "slice": f"{tpu_slice.generation.name} {tpu_slice.topology}",
-            "devices": tpu_slice.devices, "slices": num_slices, "estimate": True, **planned.as_output()}  # fmt: skip
+            "devices": tpu_slice.devices, "slices": num_slices, "estimate": True, **towers,
+            **planned.as_output()}  # fmt: skip
 
 
 def serving_plan(model_ref: str, host, max_model_len: int) -> MemoryPlan | None:

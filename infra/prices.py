@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from infra.job_modules import data_formats, eval_tasks, memory_plan, samples, splits
-from infra.models import known_model
+from infra.job_modules import data_formats, eval_tasks, memory_plan, modality, samples, splits
+from infra.models import TOWERS, known_model
 from infra.resources.dataset import records_in
 
 if TYPE_CHECKING:  # the estimate reads the stack's config; the facts it needs are in their own tables
@@ -123,7 +123,25 @@ def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
     else:
         minutes = [(records * s * sequences * cfg.job.epochs * cfg.job.seq_len * eval_share + reference)
                    / tokens_per_s / 60 for s in share]  # fmt: skip
-    return minutes[0], minutes[1]
+    return minutes[0], minutes[1] * (1 + towers_share(cfg, model))
+
+
+# Inputs a soft token costs its tower: a picture's soft token pools 3 x 3 patches of the vision tower (Gemma 4's
+# pooling_kernel_size); a clip's is one step of the audio tower after its 4x subsampling of 10 ms frames (40 ms a
+# token: transformers 5.23's Gemma4Processor).
+TOWER_INPUTS_PER_TOKEN = {"image": 9, "audio": 1}
+
+
+def towers_share(cfg: StackConfig, model) -> float:
+    """The towers' compute over the language model's, were every token a soft token of the modality's costliest
+    tower: the high end of the estimate (the low end: no token is). Frozen, a tower runs forward only (2 FLOPs a
+    parameter and input); trained, 6; the language model 6 a parameter and token (4 under LoRA)."""
+    kinds = modality.towers_of(cfg.job.modality)
+    if not kinds:
+        return 0.0
+    towers = TOWERS[model.name]
+    per_token = max(getattr(towers, k) * TOWER_INPUTS_PER_TOKEN[k] for k in kinds)
+    return per_token * (6 if cfg.job.train_towers else 2) / ((4 if cfg.job.lora else 6) * model.active_params)
 
 
 # Seconds a slice takes per greedy decode step of the before/after evaluation: one token for a batch of prompts,
@@ -167,6 +185,15 @@ def unknown_run(cfg: StackConfig) -> str:
     if known_model(cfg.job.model) is None:
         unknown.append(f"the size of model {cfg.job.model!r} (not a Gemma 4 of infra/models.py)")
     return "unknown before the run: " + " and ".join(unknown)
+
+
+def towers_said(cfg: StackConfig) -> str:
+    kinds = modality.towers_of(cfg.job.modality)
+    if not kinds:
+        return ""
+    share = towers_share(cfg, known_model(cfg.job.model))
+    return (f"the {' and '.join(kinds)} towers' compute from none (no token a soft token) to {share:.0%} more (every "
+            "token one); ")  # fmt: skip
 
 
 def cost_estimate(cfg: StackConfig) -> dict:
@@ -253,6 +280,7 @@ def training_estimate(cfg: StackConfig) -> dict:
             f"{DOLLY_REAL_SHARE:.0%} (Dolly) to 100% full; "
             f"the before/after evaluation {DECODE_STEP_S[0]}-{DECODE_STEP_S[1]} s a decoded token for each batch of "
             "held-out prompts, twice (assumed, not measured on a slice; named lm-eval tasks not counted); "
+            f"{towers_said(cfg)}"
             f"{OVERHEAD_MINUTES[0]:.0f}-{OVERHEAD_MINUTES[1]:.0f} minutes for nodes, image, load, compile and "
             f"scale-down; the walkthrough's always-on slice {WALKTHROUGH_EXTRA_MINUTES[0]:.0f}-"
             f"{WALKTHROUGH_EXTRA_MINUTES[1]:.0f} minutes more"

@@ -34,18 +34,46 @@ CONFIGS = {
                 num_key_value_heads=16, num_global_key_value_heads=4, head_dim=256, global_head_dim=512,
                 sliding_window=1024, hidden_size_per_layer_input=0, attention_k_eq_v=True,
                 layer_types=layer_types(60, 6)),
+    # gemma4_unified (infra/models.py): ggml-org's conversion's shape; K = V and 4 KV heads on the global layers
+    "12B": dict(hidden_size=3840, num_hidden_layers=48, intermediate_size=15360, num_attention_heads=16,
+                num_key_value_heads=8, num_global_key_value_heads=4, head_dim=256, global_head_dim=512,
+                sliding_window=1024, attention_k_eq_v=True, layer_types=layer_types(48, 6)),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_each_row_is_transformers_gemma4_on_its_published_config(name):
     import torch
-    from transformers import AutoModelForCausalLM, Gemma4Config
+    from transformers import AutoModelForCausalLM, Gemma4Config, Gemma4UnifiedConfig
 
     text = CONFIGS[name] | {"vocab_size": 262144, "final_logit_softcapping": 30.0}
+    kind = Gemma4UnifiedConfig if name == "12B" else Gemma4Config
     with torch.device("meta"):  # shapes only: no memory
-        model = AutoModelForCausalLM.from_config(Gemma4Config(text_config=text, vision_config=None, audio_config=None))
+        model = AutoModelForCausalLM.from_config(kind(text_config=text, vision_config=None, audio_config=None))
     assert asdict(shape_of(model, name)) == asdict(MODELS[name])  # (infra reads jobs/ as the package `jobs`)
+
+
+def test_12b_is_the_model_cards_11_95b_and_its_embedders_are_transformers_own():
+    """The 12B row's decoder is the card's 11.95B parameters; its picture and sound embedders (TOWERS) are what
+    transformers 5.23 builds on Gemma4Unified's own defaults, with the 12B's text config; shape_of leaves them out."""
+    import torch
+    from transformers import AutoModelForImageTextToText, Gemma4UnifiedConfig
+    from transformers.models.gemma4_unified.configuration_gemma4_unified import (
+        Gemma4UnifiedAudioConfig,
+        Gemma4UnifiedVisionConfig,
+    )
+
+    from infra.models import TOWERS
+
+    assert round(MODELS["12B"].params / 1e9, 2) == 11.95
+    text = CONFIGS["12B"] | {"vocab_size": 262144, "final_logit_softcapping": 30.0}
+    config = Gemma4UnifiedConfig(text_config=text, vision_config=Gemma4UnifiedVisionConfig().to_dict(),
+                                 audio_config=Gemma4UnifiedAudioConfig().to_dict())  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    counts = {name: sum(p.numel() for p in m.parameters()) for name, m in model.model.named_children()}
+    assert (counts["embed_vision"], counts["embed_audio"]) == (TOWERS["12B"].image, TOWERS["12B"].audio)
+    assert asdict(shape_of(model, "12B")) == asdict(MODELS["12B"])
 
 
 def test_hub_ids_find_their_row_and_nothing_else_does():

@@ -500,3 +500,49 @@ def test_every_key_the_cli_hands_over_is_read_from_pulumi_config_too(monkeypatch
         assert project_keys() == {"lerningRate"}
     finally:
         config.CONFIG.reset(token)
+
+
+def test_an_image_and_audio_run_previews_with_its_towers_and_a_size_without_them_is_refused():
+    """modality image+audio on v6e: the plan holds the towers (E2B's ~150M + ~300M, bf16, on every device), the
+    price the towers' compute at its high end, and the job is sent --modality; 31B (no audio tower) is refused at
+    preview naming the sizes that have one; image alone on 31B previews with its ~550M vision tower."""
+    from infra.config import ConfigError
+
+    text, media = (run_program("v6e", stack_config("v6e", **extra)).outputs
+                   for extra in ({}, {"modality": "image+audio"}))  # fmt: skip
+    assert "towers" not in text["memoryPlan"] or isinstance(text["memoryPlan"]["towers"], str)
+    assert media["memoryPlan"]["towers"] == pytest.approx(450e6 * 2 / 2**30, abs=0.01) and media["memoryPlan"]["fits"]
+    assert media["memoryPlan"]["total_gib"] == pytest.approx(
+        text["memoryPlan"]["total_gib"] + media["memoryPlan"]["towers"], abs=0.02)  # fmt: skip
+    low, high = media["costEstimate"]["training_minutes"]
+    assert low == text["costEstimate"]["training_minutes"][0] and high > text["costEstimate"]["training_minutes"][1]
+    assert "the image and audio towers' compute" in media["costEstimate"]["assumptions"]
+    training = run_program("v6e", stack_config("v6e", modality="image+audio")).one(
+        "pulumi-python:dynamic:Resource", "training")  # fmt: skip
+    assert training.inputs["settings"]["modality"] == "image+audio"
+    with pytest.raises(
+        ConfigError,
+        match=r"gemma-tpu:modality: image\+audio needs Gemma 4's audio tower, which "
+        r"google/gemma-4-31B-it \(31B\) does not have: use a size that has it \(E2B, E4B, 12B",
+    ):
+        run_program("v6e", stack_config("v6e", model="google/gemma-4-31B-it", modality="image+audio",
+                                        activationCheckpointing="true"))  # fmt: skip
+    vision = run_program("v6e", stack_config("v6e", model="google/gemma-4-31B-it", modality="image",
+                                             activationCheckpointing="true")).outputs["memoryPlan"]  # fmt: skip
+    assert vision["towers"] == pytest.approx(550e6 * 2 / 2**30, abs=0.01)
+
+
+def test_gemma_4_12b_previews_with_its_memory_plan_and_price():
+    """google/gemma-4-12B-it, the size published after the table was first written: its row plans it on both
+    stacks and prices it on v6e (training minutes and dollars), and its context is 256K."""
+    for stack in STACKS:
+        out = run_program(
+            stack, stack_config(stack, model="google/gemma-4-12B-it", activationCheckpointing="true")
+        ).outputs
+        assert out["memoryPlan"]["model"] == "google/gemma-4-12B-it" and out["memoryPlan"]["fits"]
+        # (tpu7x has no public price: its estimate asks for pricePerChipHour, as for every size)
+        assert out["costEstimate"].get("usd", [1])[0] > 0 and out["costEstimate"]["usd_per_hour"] != 0
+    assert out["memoryPlan"]["gathered"] > 0 and out["costEstimate"]["note"].startswith("no public price")
+    from infra.models import CONTEXT_TOKENS, known_model
+
+    assert known_model("google/gemma-4-12b-it").name == "12B" and CONTEXT_TOKENS["12B"] == 262_144

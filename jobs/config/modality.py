@@ -10,6 +10,10 @@ MODALITIES = ("auto", "text", "image", "audio", "image+audio")  # --modality's c
 TOWERS = {"image": ("vision_config", ("vision_tower", "embed_vision")),
           "audio": ("audio_config", ("audio_tower", "embed_audio"))}  # fmt: skip
 MEDIA_OF = {"image": "pictures", "audio": "sound"}
+# Models whose pictures and sound this version does not read (their text is fine-tuned as any Gemma 4's)
+UNBUILT = {"gemma4_unified": "Gemma 4 12B (gemma4_unified), which reads pictures and sound as raw patches and "
+           "waveform frames through its own processor: not built in this version, which fine-tunes its text only; "
+           "use E2B or E4B for pictures and sound"}  # fmt: skip
 
 
 def towers_of(modality: str) -> tuple[str, ...]:
@@ -25,6 +29,8 @@ def modality_of(images: int, clips: int) -> str:
 def require_towers(config, towers: tuple[str, ...], ref: str) -> None:
     """Raises JobInputError when a model's config (a transformers config) lacks a tower the data needs (Gemma 4's
     26B-A4B and 31B have no audio tower; a text-only checkpoint none)."""
+    if towers and getattr(config, "model_type", "") in UNBUILT:
+        raise JobInputError(f"--model {ref} is {UNBUILT[config.model_type]}")
     if missing := [kind for kind in towers if getattr(config, TOWERS[kind][0], None) is None]:
         raise JobInputError(f"--model {ref} has no {' or '.join(missing)} tower, which the records' "
                             f"{' and '.join(MEDIA_OF[k] for k in missing)} need: use a Gemma 4 size that has it (E2B "

@@ -19,6 +19,7 @@ Assumptions, per device, in bytes (w: bytes per parameter of the compute dtype, 
 - Logits: the full path holds rows x seq x vocab in w, fp32 and the fp32 gradient; the chunked
   loss one chunk's three fp32 [chunk, vocab] buffers (the head's gradient it accumulates is the
   root unit's unsharded gradient, counted above).
+- The vision and audio towers the data needs (none for text), whole on every device: `towers_bytes`.
 - It leaves HEADROOM of the device's memory free for the runtime, XLA's workspace and
   fragmentation. It is an estimate: the job prints it beside the measured peak, every epoch.
 """
@@ -67,6 +68,8 @@ class Workload:
     lora_rank: int = 16
     loss_chunk: int = 256
     sequences: int = 1  # rows a record makes (sequences_per_record)
+    tower_params: int = 0  # the vision and audio towers loaded (with their embedders): in the root unit
+    train_towers: bool = False
 
 
 def sequences_per_record(objective: str) -> int:
@@ -130,7 +133,18 @@ def plan(model: ModelShape, workload: Workload, hbm_gib: float | None = None) ->
         "activations": activations,
         "logits": logits,
     }
+    if workload.tower_params:
+        parts["towers"] = towers_bytes(workload)
     return MemoryPlan({k: v / GIB for k, v in parts.items()}, hbm_gib)
+
+
+def towers_bytes(workload: Workload) -> float:
+    """The vision and audio towers: in the root unit (training/model.py), so gathered for the whole step, and with
+    --train-towers their unsharded gradients too and their sharded AdamW moments. Their activations are not kept
+    when they are frozen (nothing in them needs a gradient); trained, they are left out of the plan."""
+    w, towers = workload.dtype_bytes, workload.tower_params
+    return towers * w * (2 if workload.train_towers else 1) + (2 * towers * w / workload.devices
+                                                              if workload.train_towers else 0)  # fmt: skip
 
 
 # vLLM TPU's share of a device for the weights and the KV cache (its gpu_memory_utilization); the rest is XLA's
@@ -195,6 +209,16 @@ def _settings(changed: dict, topology_of: dict[int, str], rows: int) -> str:
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+TOWER_MODULES = ("vision_tower", "audio_tower", "embed_vision", "embed_audio")  # Gemma4Model's (transformers 5.23)
+
+
+def text_params(model) -> list:
+    """The text model's parameters, each once (the tied head): not the vision and audio towers (Workload counts
+    those)."""
+    named = {id(p): (n, p) for n, p in model.named_parameters(remove_duplicate=True)}.values()
+    return [p for n, p in named if not any(f".{t}." in f".{n}" for t in TOWER_MODULES)]
+
+
 def shape_of(model, name: str = "") -> ModelShape:
     """A loaded Hugging Face Gemma 4 model's shape (the table's rows are this, on the published configs)."""
     import torch
@@ -220,7 +244,7 @@ def shape_of(model, name: str = "") -> ModelShape:
                if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in LORA_TARGETS]  # fmt: skip
     return ModelShape(
         name=name or getattr(model.config, "_name_or_path", ""),
-        params=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+        params=sum(p.numel() for p in text_params(model)),
         per_layer_table=table.weight.numel() if table is not None else 0,
         embedding=language.embed_tokens.weight.numel(),
         largest_layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
@@ -233,7 +257,7 @@ def shape_of(model, name: str = "") -> ModelShape:
         heads=text.num_attention_heads,
         vocab=text.vocab_size,
         sliding_window=text.sliding_window,
-        active_params=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        active_params=sum(p.numel() for p in text_params(model))
         - (table.weight.numel() if table is not None else 0)
         - round(experts * (1 - top_k)),
         experts=(text.num_experts or 0) if getattr(text, "enable_moe_block", False) else 0,

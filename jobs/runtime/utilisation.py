@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from runtime.memory_plan import TOWER_MODULES
+
 
 @dataclass(frozen=True)
 class AttentionLayer:
@@ -41,9 +43,6 @@ def model_flops_per_token(
     return 6 * trainable_matmul_params + 4 * frozen_matmul_params + attention_flops
 
 
-TOWER_NAMES = ("vision_tower", "audio_tower", "embed_vision", "embed_audio")  # Gemma4Model's (training/model.py)
-
-
 def describe(model) -> tuple[int, int, list[AttentionLayer]]:
     """(trainable matmul params, frozen matmul params, attention layers) of a loaded, unsharded model.
 
@@ -55,7 +54,7 @@ def describe(model) -> tuple[int, int, list[AttentionLayer]]:
 
     trainable = frozen = 0
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and not any(t in name for t in TOWER_NAMES):
+        if isinstance(module, torch.nn.Linear) and not any(t in name for t in TOWER_MODULES):
             if module.weight.requires_grad:
                 trainable += module.weight.numel()
             else:
@@ -64,7 +63,7 @@ def describe(model) -> tuple[int, int, list[AttentionLayer]]:
     attention = [
         AttentionLayer(text.num_attention_heads, m.head_dim, m.sliding_window)
         for name, m in model.named_modules()
-        if name.endswith("self_attn") and hasattr(m, "head_dim") and not any(t in name for t in TOWER_NAMES)
+        if name.endswith("self_attn") and hasattr(m, "head_dim") and not any(t in name for t in TOWER_MODULES)
     ]
     return trainable, frozen, attention
 

@@ -91,10 +91,13 @@ def language_model(model):
 
 
 def freeze_per_layer_embeddings(model):
-    """The per-layer embedding table is huge and trained no further: frozen, and kept out of FSDP."""
-    table = language_model(model).embed_tokens_per_layer.weight
-    table.requires_grad_(False)
-    return table
+    """The per-layer embedding table is huge and trained no further: frozen, and kept out of FSDP. None for a model
+    without one (12B's gemma4_unified text model has no such module)."""
+    table = getattr(language_model(model), "embed_tokens_per_layer", None)
+    if table is None:
+        return None
+    table.weight.requires_grad_(False)
+    return table.weight
 
 
 def apply_lora(model, rank: int, alpha: int):
@@ -289,7 +292,7 @@ def build_model(settings, backend, dtype: str, world: int, restored) -> Trainee:
     model.to(backend.device())
     mesh = device_mesh(backend.device_type, world, settings.num_slices)
     kernels = flash_on_tpu if backend.name == "tpu" and settings.attention == "sdpa" else nullcontext
-    root = apply_fsdp(TokenLoss(model, settings.loss_chunk, kernels), mesh, ignored={frozen}, dtype=dtype)
+    root = apply_fsdp(TokenLoss(model, settings.loss_chunk, kernels), mesh, ignored={frozen} - {None}, dtype=dtype)
     root.train()  # (from_pretrained gives eval mode, where transformers skips activation checkpointing)
     return Trainee(root, model, tokenizer, lora, shape)
 

@@ -44,12 +44,16 @@ def utilisation(trainee: Trainee, settings: FinetuneSettings, real_tokens_per_s_
 def model_sizes(trainee: Trainee, settings: FinetuneSettings, world: int, dtype: str) -> dict:
     """Parameters trained and in all, and the memory plan (jobs/runtime/memory_plan.py) for this run per device,
     to read beside the measured peak. The model is sharded over one slice's devices (HSDP across slices)."""
+    from training.model import tower_modules
+
     trainable, total = trainable_and_total(trainee.model)
     workload = Workload(
         devices=world // settings.num_slices, batch=settings.batch_size, seq_len=settings.seq_len,
         dtype_bytes=2 if dtype == "bfloat16" else 4, activation_checkpointing=settings.activation_checkpointing,
         lora=settings.lora, lora_rank=settings.lora_rank, loss_chunk=settings.loss_chunk,
         sequences=sequences_per_record(settings.objective),
+        tower_params=sum(p.numel() for m in tower_modules(trainee.model) for p in m.parameters()),
+        train_towers=settings.train_towers,
     )  # fmt: skip
     return {"trainable_params": trainable, "total_params": total,
             "memory_plan_gib": round(plan(trainee.shape, workload).total_gib, 3)}  # fmt: skip
