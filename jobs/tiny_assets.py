@@ -231,17 +231,17 @@ MEDIA = (  # (the files a record names, the caption it trains on: words of the t
 )
 
 
-def make_media(out: Path) -> Path:
-    """Pictures and tones under `out`/media, and `out`/media.jsonl: one chat record for each of MEDIA, its content
-    parts naming its files (relative to the data file) before the question, and a caption to answer with (issue 46's
-    records: a picture, a clip, a picture and a clip, two pictures)."""
+def make_media(out: Path, copies: int = 1) -> Path:
+    """Pictures and tones under `out`/media, and `out`/media.jsonl: `copies` chat records for each of MEDIA, its
+    content parts naming its files (relative to the data file) before the question, and a caption to answer with
+    (issue 46's records: a picture, a clip, a picture and a clip, two pictures)."""
     (out / "media").mkdir(parents=True, exist_ok=True)
     for name, colour in (("red.png", (200, 30, 30)), ("blue.png", (30, 30, 200))):
         make_picture(out / "media" / name, colour)
     for name, hz in (("tone-440.wav", 440), ("tone-880.wav", 880)):
         make_tone(out / "media" / name, hz)
     with open(out / "media.jsonl", "w") as f:
-        for files, caption in MEDIA:
+        for files, caption in MEDIA * copies:
             parts = [{"type": kind, kind: f"media/{name}"}
                      for name in files for kind in ["image" if name.endswith(".png") else "audio"]]  # fmt: skip
             user = [*parts, {"type": "text", "text": "describe it ."}]
@@ -324,19 +324,21 @@ def make_media_model(out: Path, seed: int = 0) -> Path:
 
 
 # Bumped whenever what make_all writes changes: older assets are then made again (2: the chat template; 3: pairs;
-# 4: the generation config stops at the end of turn, as Gemma 4's does).
-ASSETS_VERSION = "4"
+# 4: the generation config stops at the end of turn, as Gemma 4's does; 5: the media model and records).
+ASSETS_VERSION = "5"
+MEDIA_COPIES = 4  # make local's media stage: 24 records, 3 global batches of its 2 workers x 4 rows
 
 
 def make_all(out: Path) -> dict[str, str]:
-    """Write the model (with tokenizer), the dataset and the preference pairs under `out`; returns their paths.
-    Assets an older version of this file made are replaced."""
+    """Write the model (with tokenizer), the dataset, the preference pairs, and the model with both towers with its
+    media records, under `out`; returns their paths. Assets an older version of this file made are replaced."""
     model_dir, data_file, stamp = out / "model", out / "dolly.jsonl", out / ".assets_version"
-    pairs_file = out / "pairs.jsonl"
+    pairs_file, media_model, media_file = out / "pairs.jsonl", out / "media-model", out / "media.jsonl"
     if not stamp.exists() or stamp.read_text() != ASSETS_VERSION:
-        shutil.rmtree(model_dir, ignore_errors=True)
-        data_file.unlink(missing_ok=True)
-        pairs_file.unlink(missing_ok=True)
+        for directory in (model_dir, media_model, out / "media"):
+            shutil.rmtree(directory, ignore_errors=True)
+        for file in (data_file, pairs_file, media_file):
+            file.unlink(missing_ok=True)
     if not (model_dir / "config.json").exists():
         tokenizer = make_tokenizer(model_dir)
         make_model(model_dir, vocab_size=len(tokenizer))
@@ -344,8 +346,13 @@ def make_all(out: Path) -> dict[str, str]:
         make_dataset(data_file)
     if not pairs_file.exists():
         make_pairs(pairs_file, data_file)
+    if not (media_model / "config.json").exists():
+        make_media_model(media_model)
+    if not media_file.exists():
+        make_media(out, copies=MEDIA_COPIES)
     stamp.write_text(ASSETS_VERSION)
-    return {"model": str(model_dir), "dataset": str(data_file), "pairs": str(pairs_file)}
+    return {"model": str(model_dir), "dataset": str(data_file), "pairs": str(pairs_file),
+            "media_model": str(media_model), "media": str(media_file)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -205,3 +205,25 @@ def test_media_records_train_as_trls_sft_trainer_trains_them(media_assets, tmp_p
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=1e-4, rel=1e-4), (world, step, a, b)
         assert run["steps"][-1]["loss"] < run["steps"][0]["loss"]
         assert run["export"] > 0  # (a finite loss: the picture's and the clip's soft tokens matched their towers')
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_and_lora_hold_for_media_records(media_assets, gloo_rank):
+    """The same media records with every decoder layer recomputed: the same losses; with LoRA, only the adapters
+    train (none in a tower: the targets are the language model's layers), and the loss falls."""
+    from tests.inprocess import StepRecorder, run
+    from training.model import tower_modules
+
+    def losses(*flags: str) -> tuple[list[float], object]:
+        recorder = StepRecorder()
+        trainee, _ = run(job_settings(media_assets, 1, *flags), on_step=recorder)
+        return recorder.losses, trainee
+
+    plain, _ = losses()
+    recomputed, _ = losses("--activation-checkpointing")
+    assert recomputed == pytest.approx(plain, abs=1e-5)
+    adapted, trainee = losses("--lora", "--lr", "1e-2")
+    trainable = [n for n, p in trainee.model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n and "language_model" in n for n in trainable)
+    assert not any(p.requires_grad for m in tower_modules(trainee.model) for p in m.parameters())
+    assert adapted[-1] < adapted[0]
