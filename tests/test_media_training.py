@@ -27,7 +27,7 @@ def job_settings(assets: dict, world: int, *flags: str):
     """The job's settings for the whole of the media records as one global batch, AdamW at a constant LR."""
     records = sum(1 for _ in open(assets["dataset"]))
     return settings(assets, "--split", "train", "--eval-split", "none", "--eval-tasks", "none", "--eval-samples", "0",
-                    "--batch-size", str(records // world), "--num-workers", str(world), "--no-packing",
+                    "--batch-size", str(records // world), "--num-workers", str(world),
                     "--lr", str(LR), "--lr-schedule", "constant", "--warmup-ratio", "0", "--max-grad-norm", "1.0",
                     "--weight-decay", "0", "--max-steps", str(STEPS), "--seq-len", "256", "--modality", "image+audio",
                     *flags)  # fmt: skip
@@ -55,9 +55,9 @@ def trl_examples(assets: dict) -> list[dict]:
     return examples
 
 
-def trl_trainer(assets: dict, out, batch: int):
-    """TRL's SFTTrainer on the tiny media model, the towers and the per-layer table frozen as the job freezes them;
-    assistant_only_loss (the model turns and their end-of-turn markers: the tiny template's generation span)."""
+def trl_trainer(assets: dict, out, batch: int, freeze: bool = True):
+    """TRL's SFTTrainer on the tiny media model, the towers (unless not `freeze`) and the per-layer table frozen as
+    the job freezes them; assistant_only_loss (the model turns and their end-of-turn markers: the tiny template's generation span)."""
     from trl import SFTConfig, SFTTrainer
 
     from data.media_processor import load_media_processor
@@ -65,7 +65,8 @@ def trl_trainer(assets: dict, out, batch: int):
 
     model = load_model(assets["model"], "float32", towers=("image", "audio"))
     freeze_per_layer_embeddings(model)
-    freeze_towers(model)
+    if freeze:
+        freeze_towers(model)
     config = SFTConfig(output_dir=str(out), per_device_train_batch_size=batch, gradient_accumulation_steps=1,
                        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
                        weight_decay=0.0, max_steps=STEPS, logging_steps=1, report_to=[], use_cpu=True,
@@ -227,3 +228,44 @@ def test_activation_checkpointing_and_lora_hold_for_media_records(media_assets, 
     assert trainable and all(".lora_" in n and "language_model" in n for n in trainable)
     assert not any(p.requires_grad for m in tower_modules(trainee.model) for p in m.parameters())
     assert adapted[-1] < adapted[0]
+
+
+@pytest.mark.slow
+def test_trained_towers_train_as_trls_and_a_micro_batch_without_a_clip_still_gives_the_audio_tower_a_gradient(
+    media_assets, tmp_path, gloo_rank
+):  # fmt: skip
+    """--train-towers: the same losses and gradient norms as TRL's SFTTrainer with the towers unfrozen; and a
+    micro-batch of one picture gives the audio tower zero gradients, not none (idle_towers: on two ranks whose rows
+    differ, each sends the same parameters' gradients to FSDP's reduce-scatter), its loss unchanged."""
+    from data.media_rows import collate_media
+    from data.prepare import prepare
+    from data.prepared import PreparedRows, local_directory
+    from data.sft_data import model_inputs
+    from tests.inprocess import StepRecorder, build, run
+    from training.model import tower_modules
+    from training.step import scratch_prepared
+
+    records = sum(1 for _ in open(media_assets["dataset"]))
+    trainer = trl_trainer(media_assets, tmp_path / "trl", records, freeze=False)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h][:STEPS]
+    recorder = StepRecorder()
+    config = job_settings(media_assets, 1, "--train-towers")
+    run(config, on_step=recorder)
+    assert recorder.losses == pytest.approx([h["loss"] for h in logged], abs=1e-4)
+    assert recorder.grad_norms == pytest.approx([h["grad_norm"] for h in logged], abs=1e-4, rel=1e-4)
+
+    trainee, _ = build(config)
+    rows = PreparedRows(local_directory(scratch_prepared(config, trainee.tokenizer, prepare)), "train", config.seq_len,
+                        trainee.tokenizer.pad_token_id, False)  # fmt: skip
+    one_picture = collate_media([rows[0]])  # the first record: red.png alone
+    assert set(one_picture[4]) == {"pixel_values", "image_position_ids"}
+    loss = trainee.loss(**model_inputs(one_picture, False, "cpu"))
+    loss.backward()
+    towers = trainee.model.model
+    audio = [*towers.audio_tower.parameters(), *towers.embed_audio.parameters()]
+    assert all(p.grad is not None and float(p.grad.full_tensor().abs().sum()) == 0 for p in audio)
+    assert float(towers.vision_tower.patch_embedder.input_proj.weight.grad.full_tensor().abs().sum()) > 0
+    for tower in tower_modules(trainee.model):  # nothing in the towers trains: no idle pass
+        tower.requires_grad_(False)
+    assert float(trainee.loss(**model_inputs(one_picture, False, "cpu"))) == pytest.approx(float(loss), abs=1e-6)
