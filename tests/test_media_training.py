@@ -269,3 +269,33 @@ def test_trained_towers_train_as_trls_and_a_micro_batch_without_a_clip_still_giv
     for tower in tower_modules(trainee.model):  # nothing in the towers trains: no idle pass
         tower.requires_grad_(False)
     assert float(trainee.loss(**model_inputs(one_picture, False, "cpu"))) == pytest.approx(float(loss), abs=1e-6)
+
+
+def test_the_sample_answers_read_their_pictures_and_sound_and_name_them(media_assets, gloo_rank):
+    """The held-out media records' prompts carry their pictures and clips into generate(), where the towers read all
+    three pictures and the clip at the first step, and lead with the files they name."""
+    from data.prepare import prepare
+    from data.prepared import PreparedRows, local_directory
+    from tests.inprocess import build
+    from training.samples import answer, held_out_prompts
+    from training.step import scratch_prepared
+
+    config = job_settings(media_assets, 1, "--eval-split", "train[4:6]", "--split", "train[:4]", "--eval-samples", "2")
+    trainee, _ = build(config)
+    prepared = local_directory(scratch_prepared(config, trainee.tokenizer, prepare))
+    rows = PreparedRows(prepared, "eval", config.seq_len, trainee.tokenizer.pad_token_id, True)
+    prompts = held_out_prompts(rows, trainee.tokenizer, config)
+    assert [p["prompt"].split("]")[0] for p in prompts] == ["[media/blue.png, media/tone-440.wav",
+                                                           "[media/red.png, media/blue.png"]  # fmt: skip
+    assert set(prompts[0]["media"]) == {"pixel_values", "image_position_ids", "input_features", "input_features_mask"}
+    towers, seen = trainee.model.model, {"image": 0, "audio": 0}
+    for kind, tower in (("image", towers.vision_tower), ("audio", towers.audio_tower)):
+
+        def count(_module, args, kwargs, _output, _kind=kind) -> None:
+            seen[_kind] += len(args[0] if args else next(iter(kwargs.values())))  # the pictures or clips read
+
+        tower.register_forward_hook(count, with_kwargs=True)
+    answers = answer(trainee, prompts, "cpu", 1)
+    assert seen == {"image": 3, "audio": 1}
+    assert [a["reference"] for a in answers] == ["a cold water and an early time", "a warm light and a cold water"]
+    assert all(isinstance(a["completion"], str) for a in answers)

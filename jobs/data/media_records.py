@@ -39,6 +39,7 @@ class MediaRecord:
     image_tokens: int
     audio_tokens: int
     media_end: int  # one past the last wrapper: a record cut before it would lose soft tokens
+    files: list[str]  # the pictures and clips as the record names them, in order (the samples show them)
 
 
 def media_turns(record: dict) -> list[dict]:
@@ -115,7 +116,7 @@ def prepare_media_record(record: dict, refs: list[MediaRef], contents: list, tok
     return MediaRecord(expanded, labels, pixels, patches, features.astype(np.float32), frame_mask.astype(bool),
                        [a["input_features"].shape[1] for a in alone],
                        expanded.count(processor.image_token_id), expanded.count(processor.audio_token_id),
-                       media_end(expanded, tokenizer))  # fmt: skip
+                       media_end(expanded, tokenizer), [r.ref for r in refs])  # fmt: skip
 
 
 def media_end(expanded: list[int], tokenizer) -> int:

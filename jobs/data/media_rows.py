@@ -3,8 +3,9 @@
 
 Per chunk, record after record: each record's count of pictures (`images`) and clips (`clips`), the pictures' bytes
 (`pixels`, media_records.pixel_values restores the processor's floats) and patch positions (`patches`), each clip's
-frame count (`clip_frames`), and the clips' log-mel frames and masks end to end (`features`, `frame_mask`). The
-split's `media.json` is its media report, whose longest clip every clip of a batch is padded to.
+frame count (`clip_frames`), and the clips' log-mel frames and masks end to end (`features`, `frame_mask`); and each
+record's files as it names them (`files.json`, for the samples). The split's `media.json` is its media report, whose
+longest clip every clip of a batch is padded to.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class RecordMedia:
                 continue
             arrays = {name: np.load(path % name, mmap_mode="r") for name in
                       ("images", "pixels", "patches", "clips", "clip_frames", "features", "frame_mask")}  # fmt: skip
+            arrays["files"] = json.loads(open(os.path.join(folder, f"{i:05d}.files.json")).read())
             first_clip = np.concatenate([[0], np.cumsum(arrays["clips"])])
             arrays["first_image"] = np.concatenate([[0], np.cumsum(arrays["images"])])
             arrays["first_clip"] = first_clip
@@ -117,6 +119,18 @@ class RecordMedia:
             out["input_features_mask"] = torch.from_numpy(np.concatenate(masks))
         return out
 
+    def files(self, record: int) -> list[str]:
+        """The record's pictures and clips as it names them."""
+        a = self.chunks[self.chunk_of[record]]
+        return [] if a is None else a["files"][self.index_in_chunk[record]]
+
+
+def join_media(media: list[dict]) -> dict:
+    """Several rows' towers' inputs as one batch's, in row order (the model fills the soft tokens in that order)."""
+    import torch
+
+    return {k: torch.cat([m[k] for m in media if k in m]) for k in {k for m in media for k in m}}
+
 
 def collate_media(rows: list) -> tuple:
     """A batch of a media split's rows: the four tensors stacked, the towers' inputs joined in row order (the model
@@ -124,9 +138,7 @@ def collate_media(rows: list) -> tuple:
     import torch
 
     batch = tuple(torch.stack([row[i] for row in rows]) for i in range(4))
-    media = [row[4] for row in rows if len(row) > 4]
-    joined = {k: torch.cat([m[k] for m in media if k in m]) for k in {k for m in media for k in m}}
-    return (*batch, joined)
+    return (*batch, join_media([row[4] for row in rows if len(row) > 4]))
 
 
 def split_modality(report: dict) -> str:

@@ -189,6 +189,9 @@ def run_chunk(chunk: Chunk, source: SourceFiles, settings, target: str) -> dict:
         for name, array in arrays.items():
             with fs.open_output_stream(f"{directory}/{chunk.index:05d}.{name}.npy") as f:
                 f.write(_npy(array))
+        if stats.media:
+            with fs.open_output_stream(f"{directory}/{chunk.index:05d}.files.json") as f:
+                f.write(json.dumps([m.files if m else [] for m in media]).encode())
     return {"split": chunk.split, "index": chunk.index, **vars(stats), "formats": sorted(stats.formats),
             "lengths": [len(r) for r in ids]}  # fmt: skip
 

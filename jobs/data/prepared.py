@@ -140,8 +140,8 @@ def print_data_report(report: dict) -> None:
 
 def with_modality(settings, report: dict):
     """The settings the workers get: --modality auto made what the data holds (report["modality"]); a named one that
-    lacks a tower the data needs is refused. With pictures or sound, the before/after scoring and the sample answers
-    are off (they would be text-only prompts of media records: not built yet), said in the log."""
+    lacks a tower the data needs is refused. With pictures or sound, the before/after scoring is off (its lm-eval
+    tasks are text: not built for media yet), said in the log."""
     from dataclasses import replace
 
     found, asked = report.get("modality", "text"), settings.modality
@@ -159,8 +159,8 @@ def with_modality(settings, report: dict):
         ref = model_directory(settings.model)
         require_towers(AutoConfig.from_pretrained(ref, token=os.environ.get("HF_TOKEN")), towers_of(resolved.modality),
                        settings.model)  # fmt: skip
-    if found == "text" or (settings.eval_tasks == "none" and not settings.eval_samples):
+    if found == "text" or settings.eval_tasks == "none":
         return resolved
-    print("media records: the held-out loss is scored, the before/after tasks and sample answers are not (not built "
-          "for pictures and sound yet)", flush=True)  # fmt: skip
-    return replace(resolved, eval_tasks="none", eval_samples=0)
+    print("media records: the held-out loss and the sample answers are scored with their pictures and sound, the "
+          "before/after tasks are not (lm-eval's tasks here are text: not built for media yet)", flush=True)  # fmt: skip
+    return replace(resolved, eval_tasks="none")

@@ -1,7 +1,8 @@
 """What the model says: at each eval, greedy answers to the first --eval-samples held-out prompts.
 
 A prompt is a held-out record's tokens before its first trained one, as prepared (so rendered with
-the chat template, up to the model's turn); its reference is the record's trained tokens. The answer
+the chat template, up to the model's turn); its reference is the record's trained tokens. A record's pictures and
+clips go with it (the towers read them at the first step) and lead its prompt's text by name. The answer
 is up to NEW_TOKENS tokens, stopping at the end of the turn (model.stop_at_end_of_turn).
 
 Under FSDP every rank steps through generate() together (transformers' `synced_gpus=True`): each
@@ -27,11 +28,14 @@ def held_out_prompts(rows, tokenizer, settings) -> list[dict]:
         first = int(np.argmax(trained)) if trained.any() else 0
         if first == 0:
             continue
+        media = getattr(rows, "media", None)
+        files = media.files(record) if media is not None else []
         prompts.append({
             "ids": np.asarray(ids[:first], dtype=np.int64),
-            "prompt": tokenizer.decode(ids[:first], skip_special_tokens=True),
+            "prompt": (f"[{', '.join(files)}] " if files else "") + tokenizer.decode(ids[:first],
+                                                                                      skip_special_tokens=True),
             "reference": tokenizer.decode(ids[first:][trained[first:].astype(bool)], skip_special_tokens=True),
-        })  # fmt: skip
+        } | ({"media": media.of([record])} if files else {}))  # fmt: skip
         if len(prompts) == settings.eval_samples:
             break
     return prompts
@@ -49,6 +53,12 @@ def answer(trainee, prompts: list[dict], device, world: int) -> list[dict]:
     for row, p in enumerate(prompts):
         input_ids[row, longest - len(p["ids"]) :] = torch.as_tensor(p["ids"])
         attention_mask[row, longest - len(p["ids"]) :] = 1
+    media = {}
+    if any("media" in p for p in prompts):  # the prompts' pictures and clips, in row order, as a batch's
+        from data.media_rows import join_media
+
+        media = {k: v.to(device) for k, v in join_media([p.get("media", {}) for p in prompts]).items()}
+        media["mm_token_type_ids"] = root.media_token_types(input_ids).to(device)
     was_training = root.training
     root.eval()
     # generate() calls the model inside the FSDP root (model.TokenLoss), whose own parameters (the
@@ -58,7 +68,7 @@ def answer(trainee, prompts: list[dict], device, world: int) -> list[dict]:
         with torch.no_grad():
             out = model.generate(
                 input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=NEW_TOKENS,
-                do_sample=False, synced_gpus=world > 1, pad_token_id=tokenizer.pad_token_id,
+                do_sample=False, synced_gpus=world > 1, pad_token_id=tokenizer.pad_token_id, **media,
             )  # fmt: skip
     finally:
         root.reshard()
