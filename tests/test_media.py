@@ -258,3 +258,39 @@ def test_a_picture_or_clip_replaced_under_its_name_is_prepared_again(tmp_path):
         json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]})
     )
     assert media_fingerprint([str(text)], "model") == []  # text records: the key as before
+
+
+def test_a_datasets_own_image_and_audio_columns_are_read_as_files_are(media_model, tmp_path, capsys):
+    """TRL's format with the pictures in an `images` column of datasets' Image feature and the clips in an `audios`
+    column of its Audio feature, as a hub dataset holds them (here a parquet file `datasets` wrote): decoded here
+    (datasets would need soundfile for audio), checked as files are, and prepared; a truncated picture among them is
+    named by its record and column entry."""
+    from datasets import Audio, Dataset, Image, List
+
+    import ray_train_llm_finetune as ft
+
+    model_dir, assets = media_model
+    red, tone = (assets / "media" / "red.png").read_bytes(), (assets / "media" / "tone-440.wav").read_bytes()
+
+    def record(image: bytes, caption: str) -> dict:
+        user = [{"type": "image"}, {"type": "text", "text": "describe it ."}, {"type": "audio"}]
+        return {"messages": [{"role": "user", "content": user},
+                             {"role": "assistant", "content": [{"type": "text", "text": caption}]}],
+                "images": [{"bytes": image, "path": None}], "audios": [{"bytes": tone, "path": "tone.wav"}]}  # fmt: skip
+
+    def write(records: list[dict], name: str) -> str:
+        data = Dataset.from_list(records).cast_column("images", List(Image())).cast_column("audios", List(Audio()))
+        data.to_parquet(tmp_path / name)
+        return str(tmp_path / name)
+
+    argv = ["--backend", "cpu", "--num-workers", "1", "--model", str(model_dir), "--eval-split", "none",
+            "--storage-path", str(tmp_path / "runs"), "--preflight"]  # fmt: skip
+    good = write([record(red, "a warm small light")] * 4, "good.parquet")
+    assert ft.main([*argv, "--dataset", good]) == 0
+    report = json.loads(capsys.readouterr().out.rsplit("JOB_RESULT_JSON: ", 1)[1])["data_report"]
+    assert report["modality"] == "image+audio"
+    assert (report["train"]["media"]["images"], report["train"]["media"]["clips"]) == (4, 4)
+    bad = write([record(red, "a warm small light"), record(red[:60], "a cold large water")], "bad.parquet")
+    assert ft.main([*argv, "--dataset", bad]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}, record 2: turn 1's image 1 'images[0]' cannot be decoded as an image" in err

@@ -4,7 +4,9 @@ before any worker starts, so that every broken one is named by file and row with
 A turn's content may be a list of parts, as Gemma 4's processor's chat template takes them:
 `{"type": "text", "text": ...}`, `{"type": "image", "image": PATH}` and `{"type": "audio", "audio": PATH}` (`path`
 or `url` also name the file). TRL's vision format is taken too: an `images` column beside `{"type": "image"}`
-parts without a file, the column's entries in order. A PATH is a local path (relative to the data file's folder)
+parts without a file, the column's entries in order (and, alike, an `audios` column for `{"type": "audio"}` parts);
+an entry is a PATH or a dataset's own Image or Audio feature (a hub dataset's, or a parquet file's that `datasets`
+wrote), read undecoded (sft_data.undecoded) and decoded here. A PATH is a local path (relative to the data file's folder)
 or a gs:// URI.
 
 What is checked, from the pinned transformers 5.23 (models/gemma4/feature_extraction_gemma4.py): the audio feature
@@ -34,8 +36,9 @@ RESAMPLE = "ffmpeg -i CLIP -ac 1 -ar 16000 OUT.wav"
 @dataclass(frozen=True)
 class MediaRef:
     kind: str  # "image" or "audio"
-    ref: str  # as the record writes it
+    ref: str  # as the record writes it (a dataset's own Image or Audio entry: its path, or its column and index)
     where: str  # "turn 2's image 1"
+    data: bytes | None = None  # a dataset's own entry's bytes (no file to read)
 
 
 @dataclass(frozen=True)
@@ -56,24 +59,32 @@ class MediaError(ValueError):
     """What is wrong with one file, and the fix."""
 
 
-def _file_of(part: dict, kind: str, images: list, used: list[int], where: str) -> str:
+COLUMNS = {"image": "images", "audio": "audios"}  # the columns of files for bare parts, in order
+
+
+def _entry(part: dict, kind: str, columns: dict, used: dict, where: str) -> tuple[str, bytes | None]:
+    """(the ref, the bytes of a dataset's own entry or None) of a part."""
     named = next((part[k] for k in FILE_KEYS if isinstance(part.get(k), str) and part[k].strip()), None)
     if named is not None:
-        return named
-    if kind == "image" and used[0] < len(images):  # TRL's format: the `images` column, in order
-        used[0] += 1
-        image = images[used[0] - 1]
-        if isinstance(image, str) and image.strip():
-            return image
-        raise RecordError(f"{where}: images[{used[0] - 1}] is {type(image).__name__}; it must be a path or gs:// URI")
-    raise RecordError(f"{where} names no file: give it an {kind!r} (or 'path') key, or list it in the images column")
+        return named, None
+    column, entries = COLUMNS[kind], columns[kind]
+    if used[kind] < len(entries):  # TRL's format: the column's entries, in order
+        used[kind] += 1
+        index, entry = used[kind] - 1, entries[used[kind] - 1]
+        if isinstance(entry, str) and entry.strip():
+            return entry, None
+        if isinstance(entry, dict) and entry.get("bytes"):  # a datasets Image or Audio feature, undecoded
+            return entry.get("path") or f"{column}[{index}]", entry["bytes"]
+        raise RecordError(f"{where}: {column}[{index}] is {type(entry).__name__}; it must be a path, a gs:// URI or a "
+                          f"datasets {kind.title()} feature")  # fmt: skip
+    raise RecordError(f"{where} names no file: give it an {kind!r} (or 'path') key, or list it in the {column} column")
 
 
 def media_refs(record: dict) -> list[MediaRef]:
     """Every image and clip the record's turns hold, in order; raises RecordError for a part that names none, or an
-    `images` column whose length is not the number of image parts."""
-    images = record.get("images") or []
-    turns, used, refs = record.get("messages") or [], [0], []
+    `images` (`audios`) column whose length is not the number of image (audio) parts without a file."""
+    columns = {kind: record.get(column) or [] for kind, column in COLUMNS.items()}
+    turns, used, refs = record.get("messages") or [], dict.fromkeys(MEDIA, 0), []
     for t, turn in enumerate(turns if isinstance(turns, list) else [], 1):
         parts = turn.get("content") if isinstance(turn, dict) else None
         if not isinstance(parts, list):
@@ -84,11 +95,25 @@ def media_refs(record: dict) -> list[MediaRef]:
             if kind in MEDIA:
                 counts[kind] += 1
                 where = f"turn {t}'s {kind} {counts[kind]}"
-                refs.append(MediaRef(kind, _file_of(part, kind, images, used, where), where))
-    if used[0] != len(images):
-        raise RecordError(f"the images column holds {len(images)} entries for {used[0]} image parts without a "
-                          "file; give each image part one")  # fmt: skip
+                ref, data = _entry(part, kind, columns, used, where)
+                refs.append(MediaRef(kind, ref, where, data))
+    for kind, column in COLUMNS.items():
+        if used[kind] != len(columns[kind]):
+            raise RecordError(f"the {column} column holds {len(columns[kind])} entries for {used[kind]} {kind} parts "
+                              f"without a file; give each {kind} part one")  # fmt: skip
     return refs
+
+
+def undecoded_rows(data, start: int, stop: int) -> dict:
+    """Rows [start, stop) of a datasets.Dataset as columns of Python values; its Image and Audio features (a column's
+    own, or in a list) as stored, {"bytes", "path"}, undecoded (decoding audio would need soundfile or torchcodec;
+    this module decodes both). A dataset without such features is sliced as it always was."""
+    from datasets import Audio, Image
+
+    media = (Image, Audio)
+    if not any(isinstance(f, media) or isinstance(getattr(f, "feature", None), media) for f in data.features.values()):
+        return data[start:stop]
+    return data.with_format("arrow")[start:stop].to_pydict()
 
 
 def text_view(record: dict) -> dict:
@@ -211,10 +236,9 @@ class MediaCheck:
         folder."""
         found = []
         for ref in refs:
-            path = located(ref.ref, data_file)
-            key = (ref.kind, path)
+            key = self.key(ref, data_file)
             if key not in self.seen:
-                self.seen[key] = self._open(ref.kind, path)
+                self.seen[key] = self._open(ref.kind, key[1], ref.data)
             if isinstance(self.seen[key], str):
                 found.append(f"{ref.where} {ref.ref!r} {self.seen[key]}")
         return found
@@ -223,15 +247,24 @@ class MediaCheck:
         """The checked files' contents, in the record's order (read again only if it fell out of the kept ones)."""
         out = []
         for ref in refs:
-            key = (ref.kind, located(ref.ref, data_file))
+            key = self.key(ref, data_file)
             if key not in self.kept:
-                self._open(*key)
+                self._open(*key, ref.data)
             out.append(self.kept[key])
         return out
 
-    def _open(self, kind: str, path: str) -> ImageFacts | ClipFacts | str:
+    @staticmethod
+    def key(ref: MediaRef, data_file: str) -> tuple[str, str]:
+        """(kind, where its bytes are): a file's path, or a dataset entry's content digest."""
+        if ref.data is not None:
+            import hashlib
+
+            return ref.kind, "sha256:" + hashlib.sha256(ref.data).hexdigest()
+        return ref.kind, located(ref.ref, data_file)
+
+    def _open(self, kind: str, path: str, data: bytes | None = None) -> ImageFacts | ClipFacts | str:
         try:
-            data = _read(path)
+            data = _read(path) if data is None else data
         except FileNotFoundError:
             return f"is not there ({path}); fix the path (a relative one is from the data file's folder)"
         except OSError as err:

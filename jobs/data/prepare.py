@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from functools import cache
 
 from data.labels import IGNORE
-from data.media import MediaCheck, data_file, media_refs, text_view
+from data.media import MediaCheck, data_file, media_refs, text_view, undecoded_rows
 from data.media_records import prepare_media_record
 from data.media_rows import media_arrays, media_processor_of, media_report, split_modality
 from data.prepared import SPLITS, Prepared
@@ -111,7 +111,7 @@ def render_chunk(chunk: Chunk, source: Source, tokenizer, settings) -> tuple[lis
     stats, ids_out, trained_out, media_out = ChunkStats(), [], [], []
     fmt = detect_format(source.data.column_names)
     stats.formats.add(fmt)
-    columns = source.data[chunk.start : chunk.stop]  # one Arrow slice, not a lookup per record
+    columns = undecoded_rows(source.data, chunk.start, chunk.stop)  # one Arrow slice, not a lookup per record
     records = [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
     media = MediaCheck()
     for row, record in enumerate(records, chunk.start):

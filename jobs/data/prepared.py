@@ -92,7 +92,10 @@ def data_report(settings, prepared: Prepared, workers: int) -> dict:
     global batch."""
     rows, needed = prepared.report["train_rows"], workers * settings.batch_size * settings.grad_accum
     if rows < needed:
-        kind = "pairs" if settings.objective == "dpo" else "packed rows" if settings.packing else "records"
+        media = prepared.report.get("modality", "text") != "text"  # (media records are one a row)
+        kind = (
+            "pairs" if settings.objective == "dpo" else "packed rows" if settings.packing and not media else "records"
+        )
         raise JobInputError(f"{rows} {kind} are fewer than one global batch ({workers} workers x "
                             f"{settings.batch_size} rows x {settings.grad_accum} accumulation = {needed})")  # fmt: skip
     return {
