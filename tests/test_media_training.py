@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -299,3 +300,23 @@ def test_the_sample_answers_read_their_pictures_and_sound_and_name_them(media_as
     assert seen == {"image": 3, "audio": 1}
     assert [a["reference"] for a in answers] == ["a cold water and an early time", "a warm light and a cold water"]
     assert all(isinstance(a["completion"], str) for a in answers)
+
+
+@pytest.mark.slow
+def test_a_media_run_stopped_after_an_epoch_resumes_to_the_unbroken_runs_weights(media_assets, tmp_path, gloo_rank):
+    """Sharded checkpoints hold a media run (towers frozen in the root unit) as they hold a text one: stopped after
+    its first epoch and resumed, it ends with the weights of the run that never stopped."""
+    from tests.inprocess import full_state, run
+    from tests.test_recipe import relative_distance
+
+    config = settings(media_assets, "--split", "train", "--eval-split", "none", "--eval-tasks", "none", "--epochs",
+                      "2", "--batch-size", "2", "--seq-len", "256", "--lr", "1e-3")  # fmt: skip
+    with pytest.raises(RuntimeError, match="the workers' --modality is auto, which loads no tower"):
+        run(config)  # (auto is the driver's to resolve: a worker is told what to load)
+    config = replace(config, modality="image+audio")
+    whole, _ = run(config, root=str(tmp_path / "whole"))
+    run(config, epochs=1, root=str(tmp_path / "parts"))
+    resumed, state = run(config, root=str(tmp_path / "parts"),
+                         resume_from=str(tmp_path / "parts" / "checkpoint_epoch_0001"))  # fmt: skip
+    assert len(state.history) == 2
+    assert relative_distance(full_state(whole.model), full_state(resumed.model)) < 1e-6

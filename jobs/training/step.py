@@ -41,6 +41,10 @@ class TrainingData:
         left = not settings.packing and getattr(tokenizer, "padding_side", "right") == "left"
         shape = (settings.seq_len, tokenizer.pad_token_id, settings.packing, left)
         rows = PreparedRows(directory, "train", *shape)
+        if rows.media is not None and settings.modality in ("auto", "text"):
+            raise RuntimeError(f"the prepared rows hold pictures or sound, but the workers' --modality is "
+                               f"{settings.modality}, which loads no tower (the driver makes auto the data's "
+                               "modality: pass the one the data report names)")  # fmt: skip
         self.sampler = resumable_sampler()(rows, num_replicas=world, rank=rank, shuffle=True, seed=settings.seed,
                                            drop_last=True)  # fmt: skip
         self.loader = torch.utils.data.DataLoader(rows, batch_size=settings.batch_size, sampler=self.sampler,
