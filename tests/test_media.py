@@ -158,6 +158,8 @@ def test_the_preflight_reports_the_media_and_refuses_a_model_that_cannot_read_th
     assert ft.main([*argv, "--model", tiny_assets["model"]]) == 2
     err = capsys.readouterr().err
     assert f"records hold pictures or sound, but --model {tiny_assets['model']} has no processor to read them" in err
+    assert ft.main([*argv, "--model", str(media_model[0]), "--recipe", "walkthrough"]) == 2
+    assert "records hold pictures or sound, which only the chat template renders" in capsys.readouterr().err
     assert ft.main([*argv, "--model", str(media_model[0])]) == 0
     out = capsys.readouterr().out
     assert "media: 6 records hold 5 pictures (" in out and "and 3 clips (" in out and "modality image+audio" in out

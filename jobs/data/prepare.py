@@ -101,7 +101,7 @@ class ChunkStats:
     image_tokens: int = 0
     audio_tokens: int = 0
     longest_clip_frames: int = 0
-    unreadable_by_model: str = ""  # why the model cannot read the chunk's pictures or sound, if it cannot
+    unreadable_by_model: str = ""  # why the run cannot read the chunk's pictures or sound, if it cannot
     errors: list[tuple[tuple[int, int], str]] = field(default_factory=list)  # ((file, line), message), first MAX_ERRORS
 
 
@@ -125,6 +125,10 @@ def render_chunk(chunk: Chunk, source: Source, tokenizer, settings) -> tuple[lis
                     continue
                 try:
                     processor = media_processor_of(settings.model)
+                    if not settings.chat_template:
+                        raise JobInputError("records hold pictures or sound, which only the chat template renders: "
+                                            "drop --no-chat-template (the walkthrough recipe's text has no place "
+                                            "for them)")  # fmt: skip
                 except JobInputError as err:
                     stats.unreadable_by_model = str(err)
                     continue
