@@ -118,22 +118,9 @@ def render_chunk(chunk: Chunk, source: Source, tokenizer, settings) -> tuple[lis
         held = None
         try:
             if refs := media_refs(record) if fmt == "messages" else []:
-                conversation(text_view(record), fmt)  # the turns' roles, an assistant turn
-                if problems := media.problems(refs, data_file(source, row)):
-                    raise RecordError("; ".join(problems))
-                if stats.unreadable_by_model:  # (said once, after the records' own errors)
+                if (held := media_record(record, refs, data_file(source, row), media, tokenizer, settings,
+                                         stats)) is None:  # fmt: skip
                     continue
-                try:
-                    processor = media_processor_of(settings.model)
-                    if not settings.chat_template:
-                        raise JobInputError("records hold pictures or sound, which only the chat template renders: "
-                                            "drop --no-chat-template (the walkthrough recipe's text has no place "
-                                            "for them)")  # fmt: skip
-                except JobInputError as err:
-                    stats.unreadable_by_model = str(err)
-                    continue
-                held = prepare_media_record(record, refs, media.contents(refs, data_file(source, row)), tokenizer,
-                                            processor, settings.prompt_loss)  # fmt: skip
                 ids, labels = held.ids, held.labels
             else:
                 turns = conversation(record, fmt)
@@ -166,6 +153,27 @@ def render_chunk(chunk: Chunk, source: Source, tokenizer, settings) -> tuple[lis
             stats.audio_tokens += held.audio_tokens
             stats.longest_clip_frames = max([stats.longest_clip_frames, *held.clip_frames])
     return ids_out, trained_out, stats, media_out
+
+
+def media_record(record: dict, refs: list, file: str, media: MediaCheck, tokenizer, settings, stats: ChunkStats):
+    """A record with pictures or sound, checked (raises RecordError naming its broken files) and prepared; None when
+    the run cannot read pictures or sound at all (stats.unreadable_by_model says why, once, after the records'
+    own errors). Relative paths are from `file`, the data file's."""
+    conversation(text_view(record), "messages")  # the turns' roles, an assistant turn
+    if problems := media.problems(refs, file):
+        raise RecordError("; ".join(problems))
+    if stats.unreadable_by_model:
+        return None
+    try:
+        processor = media_processor_of(settings.model)
+        if not settings.chat_template:
+            raise JobInputError("records hold pictures or sound, which only the chat template renders: drop "
+                                "--no-chat-template (the walkthrough recipe's text has no place for them)")  # fmt: skip
+    except JobInputError as err:
+        stats.unreadable_by_model = str(err)
+        return None
+    return prepare_media_record(record, refs, media.contents(refs, file), tokenizer, processor,
+                                settings.prompt_loss)  # fmt: skip
 
 
 def _npy(array) -> bytes:

@@ -209,14 +209,20 @@ def _settings(changed: dict, topology_of: dict[int, str], rows: int) -> str:
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-TOWER_MODULES = ("vision_tower", "audio_tower", "embed_vision", "embed_audio")  # Gemma4Model's (transformers 5.23)
+# a tower's kind -> its modules in Gemma4Model (transformers 5.23, modeling_gemma4.py): the tower and its embedder
+TOWER_MODULES = {"image": ("vision_tower", "embed_vision"), "audio": ("audio_tower", "embed_audio")}
+
+
+def in_a_tower(name: str) -> bool:
+    """Whether a parameter's or module's dotted name is inside a vision or audio tower or its embedder."""
+    return any(f".{t}." in f".{name}." for names in TOWER_MODULES.values() for t in names)
 
 
 def text_params(model) -> list:
     """The text model's parameters, each once (the tied head): not the vision and audio towers (Workload counts
     those)."""
     named = {id(p): (n, p) for n, p in model.named_parameters(remove_duplicate=True)}.values()
-    return [p for n, p in named if not any(f".{t}." in f".{n}" for t in TOWER_MODULES)]
+    return [p for n, p in named if not in_a_tower(n)]
 
 
 def shape_of(model, name: str = "") -> ModelShape:

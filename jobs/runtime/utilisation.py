@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from runtime.memory_plan import TOWER_MODULES
+from runtime.memory_plan import in_a_tower
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def describe(model) -> tuple[int, int, list[AttentionLayer]]:
 
     trainable = frozen = 0
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and not any(t in name for t in TOWER_MODULES):
+        if isinstance(module, torch.nn.Linear) and not in_a_tower(name):
             if module.weight.requires_grad:
                 trainable += module.weight.numel()
             else:
@@ -63,7 +63,7 @@ def describe(model) -> tuple[int, int, list[AttentionLayer]]:
     attention = [
         AttentionLayer(text.num_attention_heads, m.head_dim, m.sliding_window)
         for name, m in model.named_modules()
-        if name.endswith("self_attn") and hasattr(m, "head_dim") and not any(t in name for t in TOWER_MODULES)
+        if name.endswith("self_attn") and hasattr(m, "head_dim") and not in_a_tower(name)
     ]
     return trainable, frozen, attention
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from config.modality import TOWERS, require_towers, towers_of
+from config.modality import TOWER_CONFIGS, require_towers, towers_of
 from data.render import load_tokenizer, stop_token_ids
 from runtime import torch_tpu_api
-from runtime.memory_plan import ModelShape, shape_of
+from runtime.memory_plan import TOWER_MODULES, ModelShape, shape_of
 from training.checkpoints import is_sharded
 from training.chunked_loss import row_log_probs
 from training.lora import TARGET_PATTERN
@@ -43,7 +43,7 @@ def load_model(ref: str, dtype: str = "bfloat16", attention: str = "eager", towe
     token, ref = os.environ.get("HF_TOKEN"), model_directory(ref)
     config = AutoConfig.from_pretrained(ref, token=token)
     require_towers(config, towers, ref)
-    for kind, (tower, _) in TOWERS.items():
+    for kind, tower in TOWER_CONFIGS.items():
         if kind not in towers and hasattr(config, tower):
             setattr(config, tower, None)
     auto = AutoModelForImageTextToText if towers else AutoModelForCausalLM
@@ -55,7 +55,7 @@ def load_model(ref: str, dtype: str = "bfloat16", attention: str = "eager", towe
 
 def tower_modules(model) -> list:
     """The towers the model holds and their embedders (none for the causal LM)."""
-    return [getattr(model.model, name) for _, names in TOWERS.values() for name in names
+    return [getattr(model.model, name) for names in TOWER_MODULES.values() for name in names
             if getattr(model.model, name, None) is not None]  # fmt: skip
 
 
