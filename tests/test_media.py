@@ -188,7 +188,9 @@ def test_the_tiny_media_model_loads_as_gemma4_with_both_towers_and_its_processor
     from PIL import Image
     from transformers import AutoModelForImageTextToText
 
-    from data.media_processor import load_media_processor, media_labels, media_token_ids
+    from data.media import MediaCheck, media_refs
+    from data.media_processor import MEDIA_TOKENS, load_media_processor
+    from data.media_records import prepare_media_record
 
     model_dir, assets = media_model
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
@@ -206,12 +208,16 @@ def test_the_tiny_media_model_loads_as_gemma4_with_both_towers_and_its_processor
     expected = processor._get_num_multimodal_tokens(image_sizes=[(32, 48)])["num_image_tokens"][0]
     assert 0 < int((ids == tokenizer.image_token_id).sum()) == expected <= 70
     assert int((ids == tokenizer.audio_token_id).sum()) == 13
-    # every position trained, say: the pictures' and clips' soft tokens and wrappers still are not
-    labels = media_labels(batch["input_ids"], torch.ones_like(batch["input_ids"]), processor)
-    media = media_token_ids(processor)
-    assert all(int(label) == -100 for token, label in zip(ids, labels[0], strict=True) if int(token) in media)
-    assert int((labels[0] != -100).sum()) == len(ids) - sum(int((ids == m).sum()) for m in media)
-    loss = model(**batch, labels=labels).loss
+    # the job's record with the prompt trained too (--prompt-loss): the soft tokens and their wrappers still are not
+    record = {"messages": chat("media/red.png", "media/tone-440.wav")}
+    refs, check = media_refs(record), MediaCheck()
+    assert check.problems(refs, str(assets / "media.jsonl")) == []
+    held = prepare_media_record(record, refs, check.contents(refs, str(assets / "media.jsonl")), tokenizer,
+                                processor, prompt_loss=True)  # fmt: skip
+    assert held.ids == ids.tolist()
+    media = {tokenizer.convert_tokens_to_ids(getattr(tokenizer, name)) for name in MEDIA_TOKENS}
+    assert [label == -100 for label in held.labels] == [token in media for token in held.ids]
+    loss = model(**batch, labels=torch.tensor([held.labels])).loss
     assert torch.isfinite(loss)
 
 
@@ -223,7 +229,7 @@ def test_the_picture_and_the_clip_reach_the_model(media_model):
     from PIL import Image
     from transformers import AutoModelForImageTextToText
 
-    from data.media_processor import load_media_processor, media_labels
+    from data.media_processor import load_media_processor
 
     model_dir, assets = media_model
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
@@ -234,8 +240,9 @@ def test_the_picture_and_the_clip_reach_the_model(media_model):
     def loss(picture, clip) -> float:
         batch = processor.apply_chat_template([chat(picture, clip)], tokenize=True, return_dict=True,
                                               return_tensors="pt")  # fmt: skip
-        with torch.no_grad():
-            labels = media_labels(batch["input_ids"], torch.ones_like(batch["input_ids"]), processor)
+        with torch.no_grad():  # (the answer's tokens, the last five: the same in every call)
+            labels = torch.full_like(batch["input_ids"], -100)
+            labels[:, -5:] = batch["input_ids"][:, -5:]
             return float(model(**batch, labels=labels).loss)
 
     assert loss(red, low) == loss(red, low)

@@ -1,5 +1,4 @@
-"""Gemma 4's processor for pictures and sound, and the labels of a record that holds them (issue 46, in progress:
-not yet used by the fine-tune).
+"""Gemma 4's processor for pictures and sound (the preparation's: data/media_records.py; the export's).
 
 transformers 5.23's `Gemma4Processor` takes a video processor too, whose class needs torchvision; torchvision does
 not import beside the CPU build of torch this project pins (torch 2.13.0+cpu: "operator torchvision::nms does not
@@ -12,8 +11,6 @@ from __future__ import annotations
 
 from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
 from transformers.processing_utils import ProcessorMixin
-
-from data.labels import IGNORE
 
 # The soft tokens' wrappers, as Gemma 4's tokenizer names them (tokenizer.image_token and so on)
 MEDIA_TOKENS = ("image_token", "boi_token", "eoi_token", "audio_token", "boa_token", "eoa_token")
@@ -45,18 +42,3 @@ def load_media_processor(model: str) -> MediaProcessor:
     tokenizer = AutoTokenizer.from_pretrained(model)
     return MediaProcessor(Gemma4AudioFeatureExtractor.from_pretrained(model),
                           Gemma4ImageProcessorPil.from_pretrained(model), tokenizer, tokenizer.chat_template)  # fmt: skip
-
-
-def media_token_ids(processor: MediaProcessor) -> set[int]:
-    """The ids of the soft tokens and their wrappers: never trained on."""
-    tokenizer = processor.tokenizer
-    return {tokenizer.convert_tokens_to_ids(getattr(tokenizer, name)) for name in MEDIA_TOKENS}
-
-
-def media_labels(input_ids, trained, processor: MediaProcessor):
-    """Labels for a batch: the token where `trained` is true, IGNORE elsewhere and on every picture's and clip's
-    soft tokens and wrappers, wherever they sit (a model turn's too)."""
-    import torch
-
-    media = torch.isin(input_ids, torch.tensor(sorted(media_token_ids(processor))))
-    return torch.where(trained.bool() & ~media, input_ids, torch.full_like(input_ids, IGNORE))
