@@ -96,6 +96,8 @@ def print_media_outputs(outputs: dict) -> None:
     print(f"  records:     {media['records']} holding {media['images']} pictures and {media['clips']} clips "
           f"({media['image_tokens'] + media['audio_tokens']:,} soft tokens, never trained on)")  # fmt: skip
     print("  losses:      " + "; ".join(log_lines.epoch_losses(h) for h in outputs["history"]))
+    for line in log_lines.evaluation_block(outputs.get("evaluation")):
+        print(line)
 
 
 def main() -> None:

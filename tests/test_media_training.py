@@ -320,3 +320,30 @@ def test_a_media_run_stopped_after_an_epoch_resumes_to_the_unbroken_runs_weights
                          resume_from=str(tmp_path / "parts" / "checkpoint_epoch_0001"))  # fmt: skip
     assert len(state.history) == 2
     assert relative_distance(full_state(whole.model), full_state(resumed.model)) < 1e-6
+
+
+def test_the_held_out_media_records_are_scored_before_and_after_in_the_job(media_assets, tmp_path, gloo_rank):
+    """heldout_media: every held-out media record answered with its pictures and clips by the base and by the
+    fine-tune, exact match, ROUGE-L and chrF in evaluation.json beside their deltas; the text heldout task is not
+    written for media records, and lm-eval's named tasks are dropped for them, said in the log."""
+    import pyarrow.fs
+
+    from data.prepared import with_modality
+    from evaluation.before_after import BeforeAfter, Plan, write_task
+    from tests.inprocess import run
+
+    config = settings(media_assets, "--split", "train[:4]", "--eval-split", "train[4:6]", "--eval-samples", "0",
+                      "--batch-size", "2", "--seq-len", "256", "--epochs", "2", "--lr", "1e-2", "--modality",
+                      "image+audio", "--storage-path", str(tmp_path / "store"))  # fmt: skip
+    plan = Plan.of(config, None)
+    assert plan is not None and plan.media and not plan.named
+    assert write_task(config, None, str(tmp_path / "run")) is None
+    (tmp_path / "run").mkdir()
+    hook = BeforeAfter(plan, pyarrow.fs.LocalFileSystem(), str(tmp_path / "run"), 0, config.batch_size)
+    run(config, evaluation=hook)
+    scored = json.loads((tmp_path / "run" / "evaluation.json").read_text())["tasks"]["heldout_media"]
+    assert scored["samples"] == 2 and set(scored["metrics"]) == {"exact_match", "rouge_l", "chrf"}
+    assert all({"base", "fine_tuned", "delta"} <= set(m) for m in scored["metrics"].values())
+    assert scored["metrics"]["chrf"]["delta"] != 0  # (the fine-tune answers otherwise than the base)
+    named = replace(config, eval_tasks="heldout,gsm8k", modality="auto")
+    assert with_modality(named, {"modality": "image+audio"}).eval_tasks == "heldout"

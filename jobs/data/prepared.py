@@ -143,8 +143,8 @@ def print_data_report(report: dict) -> None:
 
 def with_modality(settings, report: dict):
     """The settings the workers get: --modality auto made what the data holds (report["modality"]); a named one that
-    lacks a tower the data needs is refused. With pictures or sound, the before/after scoring is off (its lm-eval
-    tasks are text: not built for media yet), said in the log."""
+    lacks a tower the data needs is refused. With pictures or sound, lm-eval's named tasks (text) are dropped, said
+    in the log; the held-out records are scored in the job (evaluation/media_scores.py)."""
     from dataclasses import replace
 
     found, asked = report.get("modality", "text"), settings.modality
@@ -162,8 +162,11 @@ def with_modality(settings, report: dict):
         ref = model_directory(settings.model)
         require_towers(AutoConfig.from_pretrained(ref, token=os.environ.get("HF_TOKEN")), towers_of(resolved.modality),
                        settings.model)  # fmt: skip
-    if found == "text" or settings.eval_tasks == "none":
+    from config.eval_tasks import HELDOUT, parse
+
+    asked_tasks = parse(settings.eval_tasks)
+    if found == "text" or asked_tasks in ((), (HELDOUT,)):
         return resolved
-    print("media records: the held-out loss and the sample answers are scored with their pictures and sound, the "
-          "before/after tasks are not (lm-eval's tasks here are text: not built for media yet)", flush=True)  # fmt: skip
-    return replace(resolved, eval_tasks="none")
+    print(f"media records: lm-eval's named tasks ({', '.join(t for t in asked_tasks if t != HELDOUT)}) are text and "
+          "not scored on this run; the held-out records are, with their pictures and sound", flush=True)  # fmt: skip
+    return replace(resolved, eval_tasks=HELDOUT if HELDOUT in asked_tasks else "none")

@@ -145,6 +145,8 @@ def write_task(settings, tokenizer, run_dir: str) -> str | None:
 
     if HELDOUT not in parse(settings.eval_tasks) or not settings.chat_template or settings.objective == "dpo":
         return None  # (a DPO run's held-out pairs are scored at each eval: their preference accuracy)
+    if settings.modality not in ("auto", "text"):
+        return None  # (held-out pictures and sound are scored in the job: media_scores.py)
     docs = held_out_docs(settings, tokenizer)
     if not docs:
         return None
@@ -190,14 +192,16 @@ class Plan:
     limit: int | None
     base_model: str = ""  # the model the run starts from (rescore.py --base)
     pairs: bool = False  # a DPO run's held-out pairs (dpo.held_out_scores), as the task heldout_pairs
+    media: bool = False  # held-out records with pictures and sound (media_scores), as the task heldout_media
     include_path: str | None = None  # task YAMLs to look in besides lm-eval's own (lm_eval --include_path)
 
     @classmethod
     def of(cls, settings, task_dir: str | None) -> Plan | None:
         pairs = settings.objective == "dpo" and settings.eval_split != "none" and bool(parse(settings.eval_tasks))
+        media = settings.modality not in ("auto", "text") and settings.eval_split != "none"
         plan = cls(task_dir, named(settings.eval_tasks), bool(settings.chat_template), settings.eval_limit or None,
-                   settings.model, pairs)  # fmt: skip
-        return plan if plan.task_dir or plan.named or plan.pairs else None
+                   settings.model, pairs, media and HELDOUT in parse(settings.eval_tasks))  # fmt: skip
+        return plan if plan.task_dir or plan.named or plan.pairs or plan.media else None
 
     def commands(self) -> list[str]:
         """How to score an export as the job did: the project's command (jobs/rescore.py, which also copies a gs://
@@ -222,9 +226,7 @@ def score(trainee, plan: Plan, batch_size: int) -> dict[str, dict]:
     root = trainee.loss
     was_training = root.training
     root.eval()
-    with torch.no_grad():  # FSDP2 picks its root at the first forward: the root's, before lm-eval calls the layers'
-        pad = torch.tensor([[trainee.tokenizer.pad_token_id] * 2], device=next(root.parameters()).device)
-        root(input_ids=pad, labels=torch.full_like(pad, IGNORE))
+    root_first(trainee)
     root.unshard()  # the root's own parameters (embeddings, final norm, tied head), as samples.answer does
     try:
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
@@ -239,6 +241,15 @@ def score(trainee, plan: Plan, batch_size: int) -> dict[str, dict]:
         root.reshard()
         root.train(was_training)
     return scores
+
+
+def root_first(trainee) -> None:
+    """A forward of the FSDP root on two padding tokens: FSDP2 picks its root at the first forward (not a layer's)."""
+    import torch
+
+    with torch.no_grad():
+        pad = torch.tensor([[trainee.tokenizer.pad_token_id] * 2], device=next(trainee.loss.parameters()).device)
+        trainee.loss(input_ids=pad, labels=torch.full_like(pad, IGNORE))
 
 
 @functools.cache
@@ -345,6 +356,10 @@ class BeforeAfter:
             metrics = {"preferred": found["eval_preferred"], "loss": found["eval_loss"],
                        "rewards/margins": found["eval_rewards/margins"]}  # fmt: skip
             scores[PAIRS_TASK] = {"metrics": metrics, "samples": len(run.data.eval), "version": None}
+        if self.plan.media:
+            from evaluation.media_scores import media_scores
+
+            scores |= media_scores(run, self.plan.limit, self.batch_size)
         return scores
 
     def finish(self, base: dict | None, tuned: dict[str, dict], step: int = 0) -> dict:
