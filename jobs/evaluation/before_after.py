@@ -32,22 +32,14 @@ import re
 from dataclasses import dataclass
 
 from config.eval_tasks import HELDOUT, HELDOUT_TASKS, named, parse
-from data.labels import IGNORE
+from evaluation.metrics import rouge_l
 from runtime.log_lines import evaluation_table
-from training.samples import NEW_TOKENS
+from training.samples import NEW_TOKENS, root_first
 
 TASK, LOSS_TASK = HELDOUT_TASKS
 TASK_DIR = "heldout"
 PAIRS_TASK = "heldout_pairs"  # a DPO run's held-out pairs: how often the chosen answer is the likelier
 EVALUATION_FILE = "evaluation.json"
-
-
-def rouge_l(references: list[str], predictions: list[str]) -> float:
-    """ROUGE-L F1 of one answer against its reference (rouge_score, stemmed): lm-eval calls it per document."""
-    from rouge_score import rouge_scorer
-
-    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-    return scorer.score(references[0], predictions[0])["rougeL"].fmeasure
 
 
 def answer_loss(doc: dict, results: list) -> dict:
@@ -241,15 +233,6 @@ def score(trainee, plan: Plan, batch_size: int) -> dict[str, dict]:
         root.reshard()
         root.train(was_training)
     return scores
-
-
-def root_first(trainee) -> None:
-    """A forward of the FSDP root on two padding tokens: FSDP2 picks its root at the first forward (not a layer's)."""
-    import torch
-
-    with torch.no_grad():
-        pad = torch.tensor([[trainee.tokenizer.pad_token_id] * 2], device=next(trainee.loss.parameters()).device)
-        trainee.loss(input_ids=pad, labels=torch.full_like(pad, IGNORE))
 
 
 @functools.cache

@@ -4,7 +4,7 @@ lm-eval's tasks here are text, and its `hf-multimodal` backend reads pictures on
 (lm_eval/models/hf_vlms.py), which for Gemma 4 needs torchvision (data/media_processor.py): so the held-out media
 records are answered in the job, as the sample answers are (training/samples.py: greedy, up to their length, each
 record with its pictures and clips), and scored as the text `heldout` task scores its answers: exact match, ROUGE-L
-(before_after.rouge_l) and chrF (lm-eval's own aggregation). The task is `heldout_media` in evaluation.json.
+(metrics.rouge_l) and chrF (lm-eval's own aggregation). The task is `heldout_media` in evaluation.json.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ def media_scores(run, limit: int | None, batch_size: int) -> dict[str, dict]:
     (training_run.TrainingRun `run`); {} without held-out media records."""
     from lm_eval.api.metrics import chrf
 
-    from evaluation.before_after import root_first, rouge_l
-    from training.samples import answer, held_out_prompts
+    from evaluation.metrics import rouge_l
+    from training.samples import answer, held_out_prompts, root_first
 
     rows = run.data.eval
     if rows is None or getattr(rows, "media", None) is None:

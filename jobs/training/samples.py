@@ -78,3 +78,14 @@ def answer(trainee, prompts: list[dict], device, world: int) -> list[dict]:
         {"prompt": p["prompt"], "completion": a, "reference": p["reference"]}
         for p, a in zip(prompts, answers, strict=True)
     ]
+
+
+def root_first(trainee) -> None:
+    """A forward of the FSDP root on two padding tokens: FSDP2 picks its root at the first forward (not a layer's)."""
+    import torch
+
+    from data.labels import IGNORE
+
+    with torch.no_grad():
+        pad = torch.tensor([[trainee.tokenizer.pad_token_id] * 2], device=next(trainee.loss.parameters()).device)
+        trainee.loss(input_ids=pad, labels=torch.full_like(pad, IGNORE))
