@@ -37,8 +37,6 @@ def job_settings(assets: dict, world: int, *flags: str):
 def trl_examples(assets: dict) -> list[dict]:
     """The records as TRL's vision format holds them: an `images` column beside `{"type": "image"}` parts, and each
     clip's samples in its part (transformers' processor reads arrays; reading a WAV path would need soundfile)."""
-    import os
-
     from data.media import clip_samples, picture
 
     examples = []
@@ -58,7 +56,8 @@ def trl_examples(assets: dict) -> list[dict]:
 
 def trl_trainer(assets: dict, out, batch: int, freeze: bool = True):
     """TRL's SFTTrainer on the tiny media model, the towers (unless not `freeze`) and the per-layer table frozen as
-    the job freezes them; assistant_only_loss (the model turns and their end-of-turn markers: the tiny template's generation span)."""
+    the job freezes them; assistant_only_loss (the model turns and their end-of-turn markers: the tiny template's
+    generation span)."""
     from trl import SFTConfig, SFTTrainer
 
     from data.media_processor import load_media_processor
@@ -101,13 +100,12 @@ def trl_dataset(assets: dict):
 
 def our_rows(config) -> list[tuple[list[int], list[int]]]:
     """The prepared training rows' (ids, labels), padding cut, record by record."""
+    from data.prepare import prepare
     from data.prepared import PreparedRows, local_directory
     from data.render import load_tokenizer
     from training.step import scratch_prepared
 
     tokenizer = load_tokenizer(config.tokenizer_ref)
-    from data.prepare import prepare
-
     rows = PreparedRows(local_directory(scratch_prepared(config, tokenizer, prepare)), "train", config.seq_len,
                         tokenizer.pad_token_id, False)  # fmt: skip
     out = []
