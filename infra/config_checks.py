@@ -287,13 +287,15 @@ def towers(r: Reader, job) -> None:
     """A modality that needs a tower the model's size lacks (a size the table knows) is refused at preview."""
     from infra.models import TOWERS, known_model, missing_towers
 
-    if known_model(job.model) is not None and known_model(job.model).name == "12B" and modality.towers_of(job.modality):
-        r.problem(f"{key('modality')}: {job.modality} on {job.model}: {modality.UNBUILT['gemma4_unified']}")
+    size = known_model(job.model)
+    unbuilt = modality.UNBUILT.get(TOWERS[size.name].model_type) if size is not None else None
+    if unbuilt and modality.towers_of(job.modality):
+        r.problem(f"{key('modality')}: {job.modality} on {job.model}: {unbuilt}")
     elif missing := missing_towers(job):
-        size = known_model(job.model).name
-        having = [name for name, t in TOWERS.items() if all(getattr(t, k) for k in missing)]
+        having = [name for name, t in TOWERS.items()
+                  if all(getattr(t, k) for k in missing) and t.model_type not in modality.UNBUILT]  # fmt: skip
         r.problem(f"{key('modality')}: {job.modality} needs Gemma 4's {' and '.join(missing)} tower, which "
-                  f"{job.model} ({size}) does not have: use a size that has it ({', '.join(having)}: "
+                  f"{job.model} ({size.name}) does not have: use a size that has it ({', '.join(having)}: "
                   f"google/gemma-4-{having[0]}-it), or a modality without it")  # fmt: skip
 
 

@@ -71,6 +71,7 @@ class Towers:
     image: int
     audio: int
     source: str
+    model_type: str = "gemma4"  # transformers' (config.modality.UNBUILT: a type whose media this version cannot read)
 
 
 # The model card's "Vision Encoder Parameters" and "Audio Encoder Parameters" (~150M and ~300M for E2B and E4B,
@@ -81,7 +82,12 @@ class Towers:
 TOWERS = {
     "E2B": Towers(image=150_000_000, audio=300_000_000, source="model card (~150M, ~300M)"),
     "E4B": Towers(image=150_000_000, audio=300_000_000, source="model card (~150M, ~300M)"),
-    "12B": Towers(image=49_922_304, audio=2_457_600, source="transformers 5.23 gemma4_unified embedders"),
+    "12B": Towers(
+        image=49_922_304,
+        audio=2_457_600,
+        source="transformers 5.23 gemma4_unified embedders",
+        model_type="gemma4_unified",
+    ),
     "26B-A4B": Towers(image=550_000_000, audio=0, source="31B's vision tower; config.json audio_config null"),
     "31B": Towers(image=550_000_000, audio=0, source="model card (~550M, no audio)"),
 }

@@ -270,6 +270,7 @@ def test_trained_towers_train_as_trls_and_a_micro_batch_without_a_clip_still_giv
     assert float(trainee.loss(**model_inputs(one_picture, False, "cpu"))) == pytest.approx(float(loss), abs=1e-6)
 
 
+@pytest.mark.slow  # (make test-fast keeps test_media.py's checks; these train)
 def test_the_sample_answers_read_their_pictures_and_sound_and_name_them(media_assets, gloo_rank):
     """The held-out media records' prompts carry their pictures and clips into generate(), where the towers read all
     three pictures and the clip at the first step, and lead with the files they name."""
@@ -320,6 +321,7 @@ def test_a_media_run_stopped_after_an_epoch_resumes_to_the_unbroken_runs_weights
     assert relative_distance(full_state(whole.model), full_state(resumed.model)) < 1e-6
 
 
+@pytest.mark.slow  # (make test-fast keeps test_media.py's checks; these train)
 def test_the_held_out_media_records_are_scored_before_and_after_in_the_job(media_assets, tmp_path, gloo_rank):
     """heldout_media: every held-out media record answered with its pictures and clips by the base and by the
     fine-tune, exact match, ROUGE-L and chrF in evaluation.json beside their deltas; the text heldout task is not

@@ -523,7 +523,7 @@ def test_an_image_and_audio_run_previews_with_its_towers_and_a_size_without_them
     with pytest.raises(
         ConfigError,
         match=r"gemma-tpu:modality: image\+audio needs Gemma 4's audio tower, which "
-        r"google/gemma-4-31B-it \(31B\) does not have: use a size that has it \(E2B, E4B, 12B",
+        r"google/gemma-4-31B-it \(31B\) does not have: use a size that has it \(E2B, E4B: google/gemma-4-E2B-it\)",
     ):
         run_program("v6e", stack_config("v6e", model="google/gemma-4-31B-it", modality="image+audio",
                                         activationCheckpointing="true"))  # fmt: skip
