@@ -9,6 +9,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from config.modality import towers_of
 from data.labels import IGNORE
 from data.media_rows import RecordMedia, collate_media
 from data.sft_data import row_tensors
@@ -148,15 +149,15 @@ def with_modality(settings, report: dict):
     from dataclasses import replace
 
     found, asked = report.get("modality", "text"), settings.modality
-    missing = [k for k in found.split("+") if k != "text" and asked != "auto" and k not in asked.split("+")]
+    missing = [k for k in towers_of(found) if asked != "auto" and k not in towers_of(asked)]
     if missing:
         raise JobInputError(f"the records hold {' and '.join(missing)} but --modality is {asked}: pass --modality "
                             f"{found} (or auto)")  # fmt: skip
     resolved = replace(settings, modality=found if asked == "auto" else asked)
-    if resolved.modality != "text":
+    if towers_of(resolved.modality):
         from transformers import AutoConfig
 
-        from config.modality import require_towers, towers_of
+        from config.modality import require_towers
         from runtime.storage import model_directory
 
         ref = model_directory(settings.model)

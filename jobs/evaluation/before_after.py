@@ -32,6 +32,7 @@ import re
 from dataclasses import dataclass
 
 from config.eval_tasks import HELDOUT, HELDOUT_TASKS, named, parse
+from config.modality import towers_of
 from evaluation.metrics import rouge_l
 from runtime.log_lines import evaluation_table
 from training.samples import NEW_TOKENS, root_first
@@ -137,7 +138,7 @@ def write_task(settings, tokenizer, run_dir: str) -> str | None:
 
     if HELDOUT not in parse(settings.eval_tasks) or not settings.chat_template or settings.objective == "dpo":
         return None  # (a DPO run's held-out pairs are scored at each eval: their preference accuracy)
-    if settings.modality not in ("auto", "text"):
+    if towers_of(settings.modality):
         return None  # (held-out pictures and sound are scored in the job: media_scores.py)
     docs = held_out_docs(settings, tokenizer)
     if not docs:
@@ -190,7 +191,7 @@ class Plan:
     @classmethod
     def of(cls, settings, task_dir: str | None) -> Plan | None:
         pairs = settings.objective == "dpo" and settings.eval_split != "none" and bool(parse(settings.eval_tasks))
-        media = settings.modality not in ("auto", "text") and settings.eval_split != "none"
+        media = bool(towers_of(settings.modality)) and settings.eval_split != "none"
         plan = cls(task_dir, named(settings.eval_tasks), bool(settings.chat_template), settings.eval_limit or None,
                    settings.model, pairs, media and HELDOUT in parse(settings.eval_tasks))  # fmt: skip
         return plan if plan.task_dir or plan.named or plan.pairs or plan.media else None

@@ -14,6 +14,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from functools import cache
 
+from config.modality import towers_of
 from data.labels import IGNORE, predicted_tokens
 from data.sft_data import model_inputs
 from training.recipe import clip_grad_norm
@@ -41,7 +42,7 @@ class TrainingData:
         left = not settings.packing and getattr(tokenizer, "padding_side", "right") == "left"
         shape = (settings.seq_len, tokenizer.pad_token_id, settings.packing, left)
         rows = PreparedRows(directory, "train", *shape)
-        if rows.media is not None and settings.modality in ("auto", "text"):
+        if rows.media is not None and not towers_of(settings.modality):
             raise RuntimeError(f"the prepared rows hold pictures or sound, but the workers' --modality is "
                                f"{settings.modality}, which loads no tower (the driver makes auto the data's "
                                "modality: pass the one the data report names)")  # fmt: skip
