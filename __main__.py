@@ -15,7 +15,7 @@ from infra.prices import cost_estimate, run_cost
 from infra.resources.apis import ProjectApis, ProjectApisArgs
 from infra.resources.cluster import ClusterArgs, GkeCluster, GkeClusterArgs, TpuPoolArgs
 from infra.resources.dataset import DatasetFile, DatasetFileArgs
-from infra.resources.kube import KubernetesAccess, KubernetesAccessArgs
+from infra.resources.kube import KubernetesAccess, KubernetesAccessArgs, credentials_command
 from infra.resources.raycluster import RayCluster, RayClusterArgs, RayClusterSpec, dashboard_command
 from infra.resources.registry import ImageRegistry, ImageRegistryArgs
 from infra.resources.serving import ServingEndpoint, ServingEndpointArgs, serving_pool_args, serving_spec
@@ -150,6 +150,7 @@ else:
             serving_seconds = served.seconds
     pulumi.export("clusterName", gke.name)
     pulumi.export("kubeconfig", kube.kubeconfig)
+    pulumi.export("credentials", credentials_command(cfg.cluster_name, cfg.location, cfg.project))
     pulumi.export("bucket", bucket.url)
     pulumi.export("image", registry.image)
     pulumi.export("rayClusterName", ray.name)

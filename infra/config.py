@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from infra import PROJECT, ROOT, serving_checks
+from infra import PROJECT, ROOT, cpu_node, serving_checks
 from infra import config_checks as checks
 from infra.capacity import SliceCapacity, flex_start_run_minutes
 from infra.config_reader import ConfigError, Reader, declared_keys, key, secret_keys
@@ -135,6 +135,8 @@ def parse(
     serve = serving_checks.serving(r, mode, tpu_slice, job)
     if serve is not None and not local:
         serving_checks.serve_name_length(r, names["ray_cluster_name"])
+    if mode == "standard":
+        cpu_node.check_room(r, names["head_machine_type"], serve)
     price = checks.price(r)
     address = checks.ray_address(r) if local else r.value("rayAddress")
     if tpu_slice is not None and mode in checks.GKE_MODES and not r.problems:

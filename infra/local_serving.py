@@ -64,9 +64,37 @@ def local_endpoint(export_dir: str, name: str, log_path: Path, timeout_s: float 
     try:
         wait_until_ready(url, name, timeout_s, alive=lambda: server.poll() is None, log_tail=lambda: log_tail(log_path),
                          say=say)  # fmt: skip
+        SERVERS[url] = server.pid
         yield url
     finally:
+        SERVERS.pop(url, None)
         stop(server, ray_tmp)
+
+
+SERVERS: dict[str, int] = {}  # a running rehearsal's URL -> its server's pid (head_memory_mi reads its processes)
+# What runs on the RayService's CPU head, as Ray names its processes: Ray's own (GCS, raylet, dashboard, its agents),
+# Serve's controller and HTTP proxy, and the OpenAI ingress (its router). Not the LLMServer replica and its vLLM
+# engine, which run on the TPU host.
+HEAD_PROCESSES = ("gcs_server", "raylet", "dashboard", "agent", "ServeController", "ProxyActor", "OpenAiIngress",
+                  "LLMRouter", "log_monitor", "monitor.py")  # fmt: skip
+
+
+def head_memory_mi(url: str) -> dict[str, int]:
+    """The resident memory (MiB) of a running rehearsal's processes that the serving head holds on GKE, by kind:
+    what the head's 6 Gi must take (measured here, on CPU: the ingress imports vLLM's protocol models as it would
+    there)."""
+    import psutil
+
+    found: dict[str, int] = {}
+    for proc in psutil.Process(SERVERS[url]).children(recursive=True):
+        try:
+            line = " ".join(proc.cmdline())
+            kind = next((k for k in HEAD_PROCESSES if k in line), None)
+            if kind is not None and "LLMServer" not in line:
+                found[kind] = found.get(kind, 0) + proc.memory_info().rss // 2**20
+        except psutil.Error:  # (gone meanwhile)
+            continue
+    return found
 
 
 def stop(server: subprocess.Popen, ray_tmp: Path) -> None:
@@ -112,9 +140,12 @@ def rehearse(run_dir: str, say: Callable[[str], None] = print, while_up: Callabl
         answer = chat(url, name, "Say hello.")
         say(f"serving: chat completion from {name}: {answer!r}")
         rows = served_scores(run_dir, url, name)
+        head = head_memory_mi(url)  # (after the scoring: the ingress has served every request)
+        say(f"serving: the serving head's processes hold {sum(head.values())} MiB here "
+            f"({', '.join(f'{k} {v}' for k, v in sorted(head.items()))})")  # fmt: skip
         also = while_up(url, name) if while_up else None
     return {"url": url, "model": name, "answer": answer, "scores": rows, "problems": served_problems(rows),
-            "while_up": also}  # fmt: skip
+            "while_up": also, "head_memory_mi": head}  # fmt: skip
 
 
 def served_problems(rows: list[tuple]) -> list[str]:

@@ -4,8 +4,8 @@ RayService on a TPU host (infra/resources/serving.py) and for make local's rehea
 
 Read in Ray 2.60.0's wheel: `ray.serve.llm:build_openai_app` takes {"llm_configs": [LLMConfig]} (a Serve
 application builder, so a Serve config names it with `args`); LLMConfig's `accelerator_type` TPU-V6E / TPU-V7X
-makes it a TPU deployment of one {"TPU": 1} bundle a device (llm/_internal/serve/core/configs/accelerators.py,
-TPUAccelerator.default_bundles without a topology: a single host); a gs:// `model_source` is downloaded by the
+makes it a TPU deployment, whose placement group the stack gives as one bundle of the host's devices (host_placement:
+Serve LLM's default, one {"TPU": 1} bundle a device, is not how tpu-inference runs a host); a gs:// `model_source` is downloaded by the
 replica, under `model_id`, before vLLM starts (engines/vllm/vllm_models.py, CloudMirrorConfig); every
 `engine_kwargs` key must be one of vLLM's engine or frontend arguments, or the replica refuses it.
 """
@@ -20,6 +20,11 @@ from infra.tpu import ServingHost
 SERVE_CHOICES = ("off", "finetuned", "base")
 SERVE_CAPACITIES = ("onDemand", "spot")
 SERVE_PORT = 8000
+# The serving head runs Serve's controller, its HTTP proxy and the OpenAI ingress, never vLLM: its CPUs are what
+# Ray may schedule there (the ingress takes one), beside the training head on Standard's one CPU node
+# (infra/cpu_node.py counts them there).
+SERVE_HEAD_CPUS = 2
+SERVE_HEAD_RESOURCES = {"cpu": "2", "memory": "6Gi"}
 APP_NAME = "llm"
 APP_BUILDER = "ray.serve.llm:build_openai_app"
 # The serving image's vLLM TPU: the vLLM that Ray 2.60.0's `llm` extra pins (vllm[audio]==0.29.0 in the wheel's
@@ -84,7 +89,26 @@ def llm_config(serve: ServeConfig, name: str, source: str) -> dict:
         return config | {"placement_group_config": {"bundles": [{"CPU": 1}]}}
     engine |= {"dtype": "bfloat16", "tensor_parallel_size": serve.host.devices,
                "gpu_memory_utilization": memory_plan.SERVE_MEMORY_UTILIZATION}  # fmt: skip
-    return config | {"accelerator_type": serve.host.generation.ray_accelerator_type}
+    return config | {"accelerator_type": serve.host.generation.ray_accelerator_type,
+                     "placement_group_config": host_placement(serve.host)}  # fmt: skip
+
+
+def host_placement(host: ServingHost) -> dict:
+    """A replica's placement group: one bundle holding every device of its host, on one node.
+
+    As tpu-inference runs a host (read in tpu-inference 0.29.0, the image's): on a single host it runs the model in
+    the engine's own process over all the host's chips (platforms/tpu_platform.py, check_and_update_config:
+    TPU_MULTIHOST_BACKEND unset -> the "uni" executor, whatever Serve LLM asked), and its Ray executor, where used,
+    makes one bundle a node holding all its TPUs and starts one worker a TPU bundle, each with bundle 0's TPU count
+    (executors/ray_distributed_executor.py, _initialize_ray_cluster and _init_workers_ray: "one TPU node with all
+    chips maps to one placement group"). Serve LLM's default without a topology is one {"TPU": 1} bundle a device
+    under PACK (ray/llm/_internal/serve/core/configs/accelerators.py, TPUAccelerator.default_bundles), which Ray's
+    autoscaler may spread over several hosts (resource_demand_scheduler.py, placement_groups_to_resource_demands:
+    PACK is flattened, STRICT_PACK combined) while the engine uses every chip of the one it runs on; with a topology
+    it needs chips a host, not Ironwood's chiplets (get_chips_per_host), so 8 devices on 4 chips would be 2 hosts.
+    Serve LLM adds the accelerator type's 0.001 to the bundle (vllm_models.py, placement_bundles) and the replica
+    actor's CPU to bundle 0 (core/server/llm_server.py, _merge_replica_actor_and_child_actor_bundles)."""
+    return {"bundles": [{"TPU": host.devices}], "strategy": "STRICT_PACK"}
 
 
 def serve_application(serve: ServeConfig, name: str, source: str) -> dict:

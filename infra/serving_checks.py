@@ -39,8 +39,43 @@ def serving(r: Reader, mode: str, tpu_slice: TpuSlice | None, job) -> ServeConfi
             if r.raw.get(name) not in (None, "", r.decl[name].get("default")):
                 r.problem(f"{key(name)}: local mode serves on this machine's CPU; unset it (pulumi config rm {name})")
         return ServeConfig(what, None, max_len, 1, 1, "onDemand", timeout, model)
+    served_ref = model or job.model  # (serveModel's export when given, a local one read for its type)
+    unserved = tpu_unserved(served_ref)
+    if unserved:
+        r.problem(f"{key('serve')}: {what} serves {served_ref} on TPU, whose model type is {unserved}; {UNSERVED_WHY} "
+                  "Set serve off (pulumi config set serve off) and serve the export with vLLM on GPU, or fine-tune a "
+                  "size the TPU engine serves (E2B, E4B, 26B-A4B, 31B)")  # fmt: skip
+        return None
     host = serving_host(r, tpu_slice, job.model, max_len) if tpu_slice is not None and not r.problems else None
     return ServeConfig(what, host, max_len, least or 0, most, capacity, timeout, model)
+
+
+# Read in tpu-inference 0.29.0 (the serving image's): its JAX registry has Gemma4ForConditionalGeneration,
+# Gemma4ForCausalLM and Gemma4MTPModel and nothing of gemma4_unified (tpu_inference/models/common/model_loader.py,
+# _get_model_architecture's _MODEL_REGISTRY), and the stack's Gemma4ForCausalLM override would hand the JAX
+# Gemma 4 a gemma4_unified config. (vLLM 0.29.0 has Gemma4UnifiedForConditionalGeneration for GPU and CPU; the TPU
+# engine's fallback to it through torchax is not shown to run anywhere.)
+TPU_UNSERVED_TYPES = ("gemma4_unified",)
+UNSERVED_WHY = (
+    "tpu-inference 0.29.0, the serving image's engine, registers no Gemma 4 unified model (its JAX "
+    "registry has gemma4's Gemma4ForCausalLM and Gemma4ForConditionalGeneration only)."
+)
+
+
+def tpu_unserved(model_ref: str) -> str | None:
+    """The model type of `model_ref` (a Gemma 4 hub id the table knows, or a local directory's config.json) when
+    the TPU engine cannot serve it; None otherwise."""
+    import json
+
+    from infra.models import TOWERS, known_model
+
+    model = known_model(model_ref)
+    if model is not None:
+        found = TOWERS[model.name].model_type
+    else:
+        config = Path(model_ref).expanduser() / "config.json"
+        found = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    return found if found in TPU_UNSERVED_TYPES else None
 
 
 # What a directory vLLM serves must hold: the config, the weights, the tokenizer (an export writes all three).

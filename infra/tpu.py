@@ -14,9 +14,10 @@ GENERATIONS, TpuGeneration = tpu_generations.GENERATIONS, tpu_generations.TpuGen
 is_topology, chips_of = tpu_generations.is_topology, tpu_generations.chips_of
 
 
-def ray_start_params(generation: TpuGeneration, devices_per_host: int) -> dict[str, str]:
+def ray_start_params(generation: TpuGeneration, devices_per_host: int, *, autoscaled: bool = False) -> dict[str, str]:
     """A TPU worker group's rayStartParams: where Ray cannot count chiplets from google.com/tpu (KubeRay would
-    advertise its 4 chips), the TPU resource per host.
+    advertise its 4 chips), the TPU resource per host; in a group Ray's autoscaler starts (`autoscaled`), also the
+    accelerator type's resource that every TPU node has once it runs.
 
     In rayStartParams, not the group's `resources` field: that field first appears in KubeRay v1.5.0
     (ray-project/kuberay#4106), an older operator's CRD has no such field, and v1.7.0 refuses the two
@@ -24,10 +25,26 @@ def ray_start_params(generation: TpuGeneration, devices_per_host: int) -> dict[s
     quoted as KubeRay's own conversion writes it (pod.go, updateRayStartParamsResources: '{"TPU":8}'):
     the pod's bash takes the quotes, and KubeRay's parser (getResourcesMap, which trims them) and Ray's
     autoscaler (kuberay/autoscaling_config.py, _get_custom_resources, which drops the outer pair) read it.
+
+    Why the accelerator type: Ray Serve LLM asks every TPU bundle for `accelerator_type:TPU-V6E: 0.001`
+    (ray/llm/_internal/serve/engines/vllm/vllm_models.py, placement_bundles), which a running TPU node offers
+    (ray/_private/resource_and_label_spec.py, _resolve_accelerator_resources: the type at 1). But the in-tree
+    autoscaler knows a group that has no node yet only from the RayCluster: CPU, GPU, TPU, TPU-<type>-head,
+    memory and these rayStartParams resources (ray/autoscaler/_private/kuberay/autoscaling_config.py,
+    _get_ray_resources_from_group_spec). Without it no node type fits the bundle and the host is never added.
+    Stated here at the node's own value (1), so Ray's detection on the host sets it to what it already is.
     """
-    if generation.devices_per_chip == 1:
+    resources = {"TPU": devices_per_host} if generation.devices_per_chip > 1 else {}
+    if autoscaled:
+        resources[accelerator_resource(generation)] = 1
+    if not resources:
         return {}
-    return {"resources": "'" + json.dumps({"TPU": devices_per_host}, separators=(",", ":")) + "'"}
+    return {"resources": "'" + json.dumps(resources, separators=(",", ":")) + "'"}
+
+
+def accelerator_resource(generation: TpuGeneration) -> str:
+    """Ray's resource for a node's accelerator type (ray_constants.RESOURCE_CONSTRAINT_PREFIX + the type)."""
+    return f"accelerator_type:{generation.ray_accelerator_type}"
 
 
 def ray_env(generation: TpuGeneration) -> list[dict]:
@@ -115,7 +132,7 @@ class ServingHost(TpuShape):
 
     @property
     def ray_start_params(self) -> dict[str, str]:
-        return ray_start_params(self.generation, self.devices)
+        return ray_start_params(self.generation, self.devices, autoscaled=True)
 
     @property
     def pod_resources(self) -> dict[str, str]:

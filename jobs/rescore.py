@@ -12,8 +12,8 @@ the job's lm-eval did (the prompts carry the chat template's BOS, so none is add
 lacks it, as lm-eval's hf backend decides), loglikelihood from `echo` + `logprobs`, answers greedy.
 
 It reads RUN/evaluation.json (what was scored: the held-out tasks the run wrote into RUN/heldout, lm-eval tasks
-by name, the limit and the chat template), copies the held-out tasks and a gs:// model to a temporary directory,
-and runs `lm_eval.simple_evaluate(model="hf", ...)` as `lm_eval --model hf` would. Prints one line per metric:
+by name, the limit and the chat template), copies the held-out tasks and a gs:// model to a temporary directory
+(with --endpoint only the export's tokenizer and configs, never its weights), and runs `lm_eval.simple_evaluate(model="hf", ...)` as `lm_eval --model hf` would. Prints one line per metric:
 
     heldout  rouge_l  run 0.421042  here 0.421042
 """
@@ -108,6 +108,29 @@ def local_copy(uri: str, into: str) -> str:
     return target
 
 
+# What scoring through an endpoint reads of an export: its tokenizer and configs, never its weights (31B's are
+# about 60 GB, copied while the serving host bills).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+
+
+def tokenizer_copy(uri: str, into: str) -> str:
+    """A local directory with `uri`'s files but its weights (a gs:// export's tokenizer and configs); a local path or
+    a hub id is itself (the tokenizer reads only its own files of it)."""
+    import pyarrow.fs
+
+    from runtime.storage import filesystem, is_gcs
+
+    if not is_gcs(uri):
+        return uri
+    fs, path = filesystem(uri)
+    target = os.path.join(into, "tokenizer")
+    os.makedirs(target, exist_ok=True)
+    for info in fs.get_file_info(pyarrow.fs.FileSelector(path)):
+        if info.type == pyarrow.fs.FileType.File and not info.base_name.endswith(WEIGHT_SUFFIXES):
+            pyarrow.fs.copy_files(info.path, os.path.join(target, info.base_name), source_filesystem=fs)
+    return target
+
+
 def local_tasks(task_dir: str, into: str) -> str:
     """The held-out tasks, copied where lm-eval reads them, their records named by the copy's path."""
     local = local_copy(task_dir, into)
@@ -138,12 +161,14 @@ def rescore(run: str, model: str, device: str, dtype: str, batch_size: int, endp
             runs.append((list(HELDOUT_TASKS), local_tasks(f"{run.rstrip('/')}/{TASK_DIR}", into), False, None))
         if evaluation.get("named_tasks"):
             runs.append((evaluation["named_tasks"], None, evaluation["chat_template"], evaluation["limit"]))
-        backend, model_args = "hf", f"pretrained={local_copy(model, into)},dtype={dtype}"
+        # through an endpoint, the tokenizer alone (copied once); here, the whole model (copied once)
+        source = tokenizer_copy(model, into) if endpoint else local_copy(model, into)
+        backend, model_args = "hf", f"pretrained={source},dtype={dtype}"
         here = {}
         for tasks, include_path, chat_template, limit in runs:
             if endpoint:
                 sample = first_prompt(include_path) if include_path else None if chat_template else ""
-                backend, model_args = endpoint_backend(endpoint, served_model, local_copy(model, into), sample)
+                backend, model_args = endpoint_backend(endpoint, served_model, source, sample)
             results = lm_eval.simple_evaluate(
                 model=backend, model_args=model_args, tasks=tasks, device=device, batch_size=batch_size,
                 task_manager=task_manager(include_path, named=include_path is None), apply_chat_template=chat_template,

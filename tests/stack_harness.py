@@ -30,6 +30,8 @@ class Registered:
     inputs: dict
     raw: dict  # the request as the engine receives it, secrets still wrapped
     dependencies: list[str] = field(default_factory=list)  # the URNs it waits for
+    replace_on_changes: list[str] = field(default_factory=list)  # the options the engine diffs and replaces by
+    delete_before_replace: bool = False
 
 
 class StackMocks(pulumi_mocks.Mocks):
@@ -80,7 +82,8 @@ class RecordingMonitor(pulumi_mocks.MockMonitor):
         if request.type != "pulumi:pulumi:Stack":
             inputs = pulumi.runtime.rpc.deserialize_properties(request.object)
             raw = json_format.MessageToDict(request.object)
-            self.registered.append(Registered(request.type, request.name, inputs, raw, list(request.dependencies)))
+            self.registered.append(Registered(request.type, request.name, inputs, raw, list(request.dependencies),
+                                              list(request.replaceOnChanges), request.deleteBeforeReplace))  # fmt: skip
         return response
 
 

@@ -369,6 +369,13 @@ def test_the_readme_runs_export_served_on_cpu_answers_and_scores_as_the_job_did(
     assert all(run == here for (task, _), (run, here) in rows.items() if task == "heldout"), rows
     assert served["problems"] == [] and any(s.startswith("serving: model-finetuned answers at ") for s in said)
     assert subprocess.run(["pgrep", "-f", "infra.serve_local"], capture_output=True).stdout == b""
+    # the serving head's share, measured: Serve's controller, proxy and the ingress fit the head's limit with room
+    from infra.cpu_node import quantity_mi
+    from infra.serving import SERVE_HEAD_RESOURCES
+
+    head = served["head_memory_mi"]
+    assert {"ServeController", "ProxyActor", "OpenAiIngress", "gcs_server", "raylet"} <= set(head), head
+    assert sum(head.values()) < quantity_mi(SERVE_HEAD_RESOURCES["memory"]) * 0.75, head
 
 
 def test_a_stopped_head_forgets_its_address_but_not_anothers(stale_ray_tmpdir, monkeypatch):

@@ -74,13 +74,14 @@ def test_the_ray_service_whole_on_v6e():
                 "engine_kwargs": {"max_model_len": 4096, "hf_overrides": {"architectures": ["Gemma4ForCausalLM"]},
                                   "dtype": "bfloat16", "tensor_parallel_size": 1, "gpu_memory_utilization": 0.85},
                 "accelerator_type": "TPU-V6E",
+                "placement_group_config": {"bundles": [{"TPU": 1}], "strategy": "STRICT_PACK"},
             }]},
         }],
     }  # fmt: skip
     worker_resources = {"cpu": "16", "memory": "50Gi", "google.com/tpu": "1"}
     head_resources = {"cpu": "2", "memory": "6Gi"}
     assert manifest.inputs["metadata"] == {"name": "ray-torchtpu-cluster-llm", "namespace": "default"}
-    assert spec == {"rayClusterConfig": {
+    assert spec == {"upgradeStrategy": {"type": "None"}, "rayClusterConfig": {
         "rayVersion": "2.60.0",
         "enableInTreeAutoscaling": True,
         "autoscalerOptions": {"idleTimeoutSeconds": 600},
@@ -94,7 +95,7 @@ def test_the_ray_service_whole_on_v6e():
         },
         "workerGroupSpecs": [{
             "groupName": "v6e-serve-1", "replicas": 0, "minReplicas": 0, "maxReplicas": 1, "numOfHosts": 1,
-            "rayStartParams": {},
+            "rayStartParams": {"resources": "'{\"accelerator_type:TPU-V6E\":1}'"},
             "template": {"spec": {
                 "serviceAccountName": "default",
                 "containers": [{"name": "ray-worker", "image": SERVE_IMAGE,
@@ -159,6 +160,11 @@ def test_the_ray_service_is_valid_for_every_kuberay_and_private(stack, keys):
     endpoint = run.outputs["endpoint"]
     assert endpoint["url"] == f"http://{name}-serve-svc.{namespace}.svc.cluster.local:8000/v1"
     assert endpoint["port_forward"] == f"kubectl -n {namespace} port-forward svc/{name}-serve-svc 8000:8000"
+    # the kube context the port-forward needs, for a newcomer who has none (and the stack's own output of it)
+    location = "us-east5" if keys.get("mode") == "autopilot" else "us-east5-b"
+    assert endpoint["credentials"] == run.outputs["credentials"] == (
+        f"gcloud container clusters get-credentials {run.outputs['clusterName']} --location {location} "
+        "--project demo-project")  # fmt: skip
     request = json.loads(re.search(r"-d '(.*)'$", endpoint["curl"])[1])
     assert request["model"] == run.outputs["servedModel"] == endpoint["model"]
     assert endpoint["curl"].startswith("curl -s http://127.0.0.1:8000/v1/chat/completions ")
@@ -166,25 +172,24 @@ def test_the_ray_service_is_valid_for_every_kuberay_and_private(stack, keys):
 
 def test_the_serve_application_is_what_ray_serve_and_serve_llm_accept():
     """Ray 2.60.0's own models take what the stack writes: the Serve config (ServeDeploySchema), the LLMConfig (its
-    TPU inference from accelerator_type), and its bundles: one {"TPU": 1} a device, as many as the host's worker
-    advertises (Ironwood: 8 chiplets, with the chips' TPU resource per chiplet)."""
-    from ray.llm._internal.serve.core.configs.accelerators import TPUAccelerator
+    TPU inference from accelerator_type, a single host: no topology), its placement group one bundle of the host's
+    devices, as many as the host's worker advertises (Ironwood: 8 chiplets, with the chips' TPU resource per
+    chiplet), beside the accelerator type the bundle asks for (tests/test_serving_first_contact.py places it with
+    Ray's autoscaler)."""
     from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
     from ray.serve.schema import ServeDeploySchema
 
-    for stack, devices in (("v6e", 1), ("tpu7x", 8)):
+    for stack, devices, accelerator in (("v6e", 1, "TPU-V6E"), ("tpu7x", 8, "TPU-V7X")):
         spec = served(stack).one(RAY_SERVICE).inputs["spec"]
         config = ServeDeploySchema.model_validate(yaml.safe_load(spec["serveConfigV2"]))
         (app,) = config.applications
         llm = LLMConfig(**app.args["llm_configs"][0])
         assert llm.accelerator_config.kind == "tpu" and llm.accelerator_config.topology is None  # a single host
-        bundles = TPUAccelerator(llm.accelerator_config).default_bundles(
-            num_devices=llm.engine_kwargs["tensor_parallel_size"], accelerator_type_str=llm.accelerator_type
-        )
-        assert len(bundles) == devices and all(b["TPU"] == 1 for b in bundles)
+        assert llm.placement_group_config == {"bundles": [{"TPU": devices}], "strategy": "STRICT_PACK"}
+        assert llm.engine_kwargs["tensor_parallel_size"] == devices
         worker = spec["rayClusterConfig"]["workerGroupSpecs"][0]
-        advertised = json.loads(worker["rayStartParams"]["resources"].strip("'"))["TPU"] if devices > 1 else 1
-        assert advertised == devices
+        advertised = json.loads(worker["rayStartParams"]["resources"].strip("'"))
+        assert advertised == ({"TPU": devices} if devices > 1 else {}) | {f"accelerator_type:{accelerator}": 1}
         if devices > 1:
             env = worker["template"]["spec"]["containers"][0]["env"]
             assert {"name": "RAY_TPU_RESOURCE_PER_CHIP", "value": "2"} in env

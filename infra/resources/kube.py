@@ -11,6 +11,11 @@ import pulumi_kubernetes as k8s
 from infra import PROJECT
 
 
+def credentials_command(cluster_name: str, location: str, project: str) -> str:
+    """What gives kubectl a context for the cluster (the `credentials` output: the stack's port-forwards need it)."""
+    return f"gcloud container clusters get-credentials {cluster_name} --location {location} --project {project}"
+
+
 def kubeconfig(name: str, endpoint: str, ca_certificate_b64: str) -> str:
     """A kubeconfig whose user is the exec credential plugin (the gcp auth-provider is gone)."""
     return json.dumps(

@@ -13,18 +13,32 @@ import pulumi_kubernetes as k8s
 import yaml
 
 from infra import PROJECT
+from infra.resources.kube import credentials_command
 from infra.resources.raycluster import API_VERSION, HEAD_PORTS, TOKEN_KEY, TOKEN_SECRET, ray_version
-from infra.serving import SERVE_PORT, ServeConfig, serve_config, served_model_name
+from infra.serving import (
+    SERVE_HEAD_CPUS,
+    SERVE_HEAD_RESOURCES,
+    SERVE_PORT,
+    ServeConfig,
+    serve_config,
+    served_model_name,
+)
 
 KIND = "RayService"
 SERVE_POOL_NAME = "tpu-serve-pool"
-# The serving head runs Serve's controller, its HTTP proxy and the OpenAI ingress, never vLLM: its CPUs are what
-# Ray may schedule there (the ingress takes one), beside the training head on Standard's one CPU node.
-SERVE_HEAD_CPUS = 2
-SERVE_HEAD_RESOURCES = {"cpu": "2", "memory": "6Gi"}
 # How long the autoscaler keeps an idle TPU worker once Serve has scaled its replicas to serveMinReplicas.
 IDLE_TIMEOUT_S = 600
 VLLM_CACHE_PREFIX = "vllm_xla_cache"
+# Upgrades on purpose. KubeRay's default for a changed rayClusterConfig (an image rebuild, a Ray version) is
+# NewCluster: a second cluster beside the first until the new one serves (v1.7.0 rayservice_controller.go,
+# shouldPrepareNewCluster and isZeroDowntimeUpgradeEnabled). Its TPU hosts would come from a pool whose most nodes is
+# serveReplicas, all held by the old cluster while serveMinReplicas > 0, so the new one never becomes ready; its head
+# would need a second head's room on the CPU node. NewClusterWithIncrementalUpgrade (v1.5+) needs the Gateway API
+# and is not in v1.4.2's CRD. So `None` (both CRDs; validation.go accepts it in v1.4.2 and v1.7.0): KubeRay never
+# starts a second cluster, and Pulumi replaces the RayService, the old one deleted first (SERVICE_REPLACEMENT), when
+# the cluster's spec changes; a new serveConfigV2 alone (a new export) is still applied in place by KubeRay.
+UPGRADE_STRATEGY = {"type": "None"}
+SERVICE_REPLACEMENT = {"replace_on_changes": ["spec.rayClusterConfig"], "delete_before_replace": True}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,13 +52,15 @@ class ServingSpec:
     model_name: str  # served_model_name
     autopilot: bool
     xla_cache: str = ""  # VLLM_XLA_CACHE_PATH, gs:// (a single host's, so no race between hosts); "" none
+    credentials: str = ""  # the command that gives kubectl a context for the cluster (kube.credentials_command)
 
 
 def serving_spec(cfg, name: str) -> ServingSpec:
     """The spec from the stack's config (a StackConfig with `serve`)."""
     return ServingSpec(name=name, namespace=cfg.namespace, service_account=cfg.service_account, serve=cfg.serve,
                        model_name=served_model_name(cfg.job.model, cfg.serve.what), autopilot=cfg.autopilot,
-                       xla_cache=f"gs://{cfg.bucket_name}/{VLLM_CACHE_PREFIX}" if cfg.compile_cache else "")  # fmt: skip
+                       xla_cache=f"gs://{cfg.bucket_name}/{VLLM_CACHE_PREFIX}" if cfg.compile_cache else "",
+                       credentials=credentials_command(cfg.cluster_name, cfg.location, cfg.project))  # fmt: skip
 
 
 def serve_service(name: str) -> str:
@@ -52,11 +68,13 @@ def serve_service(name: str) -> str:
 
 
 def endpoint(spec: ServingSpec) -> dict:
-    """The `endpoint` output: the in-cluster URL, the port-forward that reaches it from a laptop, and a request."""
+    """The `endpoint` output: the in-cluster URL, the kube context the port-forward needs (`credentials`, once), the
+    port-forward that reaches it from a laptop, and a request."""
     service = serve_service(spec.name)
     body = {"model": spec.model_name, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 32}
     return {
         "url": f"http://{service}.{spec.namespace}.svc.cluster.local:{SERVE_PORT}/v1",
+        "credentials": spec.credentials,
         "port_forward": f"kubectl -n {spec.namespace} port-forward svc/{service} {SERVE_PORT}:{SERVE_PORT}",
         "curl": f"curl -s http://127.0.0.1:{SERVE_PORT}/v1/chat/completions -H 'Content-Type: application/json' "
         f"-d '{json.dumps(body)}'",
@@ -118,6 +136,7 @@ def ray_service_manifest(spec: ServingSpec, image: str, model_source: str) -> di
         "metadata": {"name": spec.name, "namespace": spec.namespace},
         "spec": {
             "serveConfigV2": yaml.safe_dump(serve_config(spec.serve, spec.model_name, model_source), sort_keys=False),
+            "upgradeStrategy": UPGRADE_STRATEGY,
             "rayClusterConfig": {
                 "rayVersion": ray_version(),
                 "enableInTreeAutoscaling": True,
@@ -179,7 +198,9 @@ class ServingEndpoint(pulumi.ComponentResource):
             kind=KIND,
             metadata={"name": spec.name, "namespace": spec.namespace},
             spec=manifest,
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[*depends_on, *([self.pool] if self.pool else [])]),
+            opts=pulumi.ResourceOptions(
+                parent=self, depends_on=[*depends_on, *([self.pool] if self.pool else [])], **SERVICE_REPLACEMENT
+            ),  # fmt: skip
         )
         self.endpoint = endpoint(spec)
         self.serve_config = manifest.apply(lambda declared: declared["serveConfigV2"])
