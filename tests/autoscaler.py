@@ -37,7 +37,7 @@ def replica_placements(llm_configs: list[dict]) -> list[tuple[list[dict], str]]:
     from infra.local_serving import ROOT, SERVE_PYTHON
 
     done = subprocess.run([str(SERVE_PYTHON), "-m", "tests.autoscaler"], input=json.dumps(llm_configs), text=True,
-                          capture_output=True, cwd=ROOT, timeout=300, env=_quiet_env())  # fmt: skip
+                          capture_output=True, cwd=ROOT, timeout=120, env=_quiet_env())  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return [(bundles, strategy) for bundles, strategy in json.loads(done.stdout.splitlines()[-1])]
 
@@ -45,17 +45,24 @@ def replica_placements(llm_configs: list[dict]) -> list[tuple[list[dict], str]]:
 def _quiet_env() -> dict:
     import os
 
-    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+            "RAY_ENABLE_AUTO_CONNECT": "0"}  # fmt: skip
 
 
 def _placements_here() -> None:
     """`python -m tests.autoscaler` in the serving venv: LLMConfigs (JSON) in, their placements (JSON) out."""
     import json
     import sys
+    from types import SimpleNamespace
 
+    import ray
     from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
     from ray.llm._internal.serve.core.server.llm_server import LLMServer
 
+    # get_deployment_options reads the driver's runtime env from ray.get_runtime_context(), which would start or
+    # join a Ray (auto-connect: the tests' shared head, if any); the bundles never depend on it. Outside any Ray the
+    # driver's runtime env is empty, so that is what it is given, and no Ray is started or joined.
+    ray.get_runtime_context = lambda: SimpleNamespace(runtime_env={})
     found = []
     for config in json.load(sys.stdin):
         options = LLMServer.get_deployment_options(LLMConfig(**config))
