@@ -13,7 +13,8 @@ lacks it, as lm-eval's hf backend decides), loglikelihood from `echo` + `logprob
 
 It reads RUN/evaluation.json (what was scored: the held-out tasks the run wrote into RUN/heldout, lm-eval tasks
 by name, the limit and the chat template), copies the held-out tasks and a gs:// model to a temporary directory
-(with --endpoint only the export's tokenizer and configs, never its weights), and runs `lm_eval.simple_evaluate(model="hf", ...)` as `lm_eval --model hf` would. Prints one line per metric:
+(with --endpoint only the export's tokenizer and configs, never its weights), and runs
+`lm_eval.simple_evaluate(model="hf", ...)` as `lm_eval --model hf` would. Prints one line per metric:
 
     heldout  rouge_l  run 0.421042  here 0.421042
 """
