@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     assets = make_assets(args.out, args.size, max(args.prompts, 16))
     logs = args.out / "serve.log"
-    with local_serving.local_endpoint(assets["model"], "bench", logs) as url:
-        rows = measure(url, "bench", assets, args.prompts, args.new_tokens)
+    with local_serving.local_endpoint(assets["model"], "bench", logs) as served:
+        rows = measure(served.url, "bench", assets, args.prompts, args.new_tokens)
     print(table(rows, args.prompts, args.new_tokens))
     return {"rows": rows}
 

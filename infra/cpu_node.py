@@ -11,6 +11,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from infra.capacity import HEAD_RESOURCES
+from infra.config_reader import Reader, key
+from infra.serving import SERVE_HEAD_RESOURCES, ServeConfig
+
 # GKE's reservation on a Standard node ("Standard cluster architecture", Node allocatable resources, read 2026-12):
 # memory 25% of the first 4 GiB, 20% of the next 4, 10% of the next 8, 6% of the next 112, 2% above 128 GiB, plus
 # the kubelet's 100 MiB eviction threshold; CPU 6% of the first core, 1% of the next, 0.5% of the next 2, 0.25%
@@ -97,22 +101,17 @@ def room_problem(machine_type: str, pods: list[Pod]) -> str | None:
             f"{shape[1]:g} GiB)")  # fmt: skip
 
 
-def head_pods(serve) -> list[Pod]:
+def head_pods(serve: ServeConfig | None) -> list[Pod]:
     """The stack's pods on the CPU node: the training head (no autoscaler: the stack scales its slices itself), and
     with serving the serving head and its autoscaler sidecar."""
-    from infra.capacity import HEAD_RESOURCES
-    from infra.serving import SERVE_HEAD_RESOURCES
-
     pods = [pod("the training head", HEAD_RESOURCES)]
     if serve is not None:
         pods.append(pod("the serving head with its autoscaler", SERVE_HEAD_RESOURCES, sidecar=True))
     return pods
 
 
-def check_room(r, machine_type: str, serve) -> None:
+def check_room(r: Reader, machine_type: str, serve: ServeConfig | None) -> None:
     """Standard mode: refuse a headMachineType whose one node cannot hold the pods, naming a type that can."""
-    from infra.config_reader import key
-
     pods = head_pods(serve)
     problem = room_problem(machine_type, pods)
     if problem is None:

@@ -21,6 +21,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from infra import ROOT
@@ -39,11 +40,17 @@ def log_tail(path: Path) -> str:
     return ray_jobs.tail(path.read_text(errors="replace")) if path.exists() else "(no log)"
 
 
+@dataclass(frozen=True)
+class LocalEndpoint:
+    url: str  # the endpoint's /v1
+    pid: int  # the server's process, whose descendants are its Ray (head_memory_mi)
+
+
 @contextmanager
 def local_endpoint(export_dir: str, name: str, log_path: Path, timeout_s: float = READY_TIMEOUT_S,
-                   say: Callable[[str], None] = print) -> Iterator[str]:  # fmt: skip
+                   say: Callable[[str], None] = print) -> Iterator[LocalEndpoint]:  # fmt: skip
     """`export_dir` served as `name` by infra/serve_local.py in the serving venv, on a Ray of its own; yields the
-    endpoint's /v1 URL once it answers, and stops the server and every process of its Ray on the way out."""
+    endpoint once it answers, and stops the server and every process of its Ray on the way out."""
     if not SERVE_PYTHON.exists():
         raise FileNotFoundError(
             f"{SERVE_PYTHON} is missing: `make local` makes the serving venv (requirements-serve.txt)"
@@ -64,14 +71,11 @@ def local_endpoint(export_dir: str, name: str, log_path: Path, timeout_s: float 
     try:
         wait_until_ready(url, name, timeout_s, alive=lambda: server.poll() is None, log_tail=lambda: log_tail(log_path),
                          say=say)  # fmt: skip
-        SERVERS[url] = server.pid
-        yield url
+        yield LocalEndpoint(url, server.pid)
     finally:
-        SERVERS.pop(url, None)
         stop(server, ray_tmp)
 
 
-SERVERS: dict[str, int] = {}  # a running rehearsal's URL -> its server's pid (head_memory_mi reads its processes)
 # What runs on the RayService's CPU head, as Ray names its processes: Ray's own (GCS, raylet, dashboard, its agents),
 # Serve's controller and HTTP proxy, and the OpenAI ingress (its router). Not the LLMServer replica and its vLLM
 # engine, which run on the TPU host.
@@ -79,14 +83,14 @@ HEAD_PROCESSES = ("gcs_server", "raylet", "dashboard", "agent", "ServeController
                   "LLMRouter", "log_monitor", "monitor.py")  # fmt: skip
 
 
-def head_memory_mi(url: str) -> dict[str, int]:
+def head_memory_mi(server_pid: int) -> dict[str, int]:
     """The resident memory (MiB) of a running rehearsal's processes that the serving head holds on GKE, by kind:
     what the head's 6 Gi must take (measured here, on CPU: the ingress imports vLLM's protocol models as it would
     there)."""
     import psutil
 
     found: dict[str, int] = {}
-    for proc in psutil.Process(SERVERS[url]).children(recursive=True):
+    for proc in psutil.Process(server_pid).children(recursive=True):
         try:
             line = " ".join(proc.cmdline())
             kind = next((k for k in HEAD_PROCESSES if k in line), None)
@@ -136,11 +140,12 @@ def rehearse(run_dir: str, say: Callable[[str], None] = print, while_up: Callabl
     name = served_model_name(export, "finetuned")
     logs = ROOT / ".local" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    with local_endpoint(export, name, logs / "serve.log", say=say) as url:
+    with local_endpoint(export, name, logs / "serve.log", say=say) as served:
+        url = served.url
         answer = chat(url, name, "Say hello.")
         say(f"serving: chat completion from {name}: {answer!r}")
         rows = served_scores(run_dir, url, name)
-        head = head_memory_mi(url)  # (after the scoring: the ingress has served every request)
+        head = head_memory_mi(served.pid)  # (after the scoring: the ingress has served every request)
         say(f"serving: the serving head's processes hold {sum(head.values())} MiB here "
             f"({', '.join(f'{k} {v}' for k, v in sorted(head.items()))})")  # fmt: skip
         also = while_up(url, name) if while_up else None

@@ -4,9 +4,9 @@ RayService on a TPU host (infra/resources/serving.py) and for make local's rehea
 
 Read in Ray 2.60.0's wheel: `ray.serve.llm:build_openai_app` takes {"llm_configs": [LLMConfig]} (a Serve
 application builder, so a Serve config names it with `args`); LLMConfig's `accelerator_type` TPU-V6E / TPU-V7X
-makes it a TPU deployment, whose placement group the stack gives as one bundle of the host's devices (host_placement:
-Serve LLM's default, one {"TPU": 1} bundle a device, is not how tpu-inference runs a host); a gs:// `model_source` is downloaded by the
-replica, under `model_id`, before vLLM starts (engines/vllm/vllm_models.py, CloudMirrorConfig); every
+makes it a TPU deployment, whose placement group the stack gives as one bundle of the host's devices
+(host_placement: Serve LLM's default, one {"TPU": 1} bundle a device, is not how tpu-inference runs a host); a gs://
+`model_source` is downloaded by the replica, under `model_id`, before vLLM starts (engines/vllm/vllm_models.py, CloudMirrorConfig); every
 `engine_kwargs` key must be one of vLLM's engine or frontend arguments, or the replica refuses it.
 """
 
@@ -24,7 +24,7 @@ SERVE_PORT = 8000
 # Ray may schedule there (the ingress takes one), beside the training head on Standard's one CPU node
 # (infra/cpu_node.py counts them there).
 SERVE_HEAD_CPUS = 2
-SERVE_HEAD_RESOURCES = {"cpu": "2", "memory": "6Gi"}
+SERVE_HEAD_RESOURCES = {"cpu": str(SERVE_HEAD_CPUS), "memory": "6Gi"}
 APP_NAME = "llm"
 APP_BUILDER = "ray.serve.llm:build_openai_app"
 # The serving image's vLLM TPU: the vLLM that Ray 2.60.0's `llm` extra pins (vllm[audio]==0.29.0 in the wheel's

@@ -44,7 +44,7 @@ def serving(r: Reader, mode: str, tpu_slice: TpuSlice | None, job) -> ServeConfi
     if unserved:
         r.problem(f"{key('serve')}: {what} serves {served_ref} on TPU, whose model type is {unserved}; {UNSERVED_WHY} "
                   "Set serve off (pulumi config set serve off) and serve the export with vLLM on GPU, or fine-tune a "
-                  "size the TPU engine serves (E2B, E4B, 26B-A4B, 31B)")  # fmt: skip
+                  f"size the TPU engine serves ({', '.join(tpu_served_sizes())})")  # fmt: skip
         return None
     host = serving_host(r, tpu_slice, job.model, max_len) if tpu_slice is not None and not r.problems else None
     return ServeConfig(what, host, max_len, least or 0, most, capacity, timeout, model)
@@ -60,6 +60,13 @@ UNSERVED_WHY = (
     "tpu-inference 0.29.0, the serving image's engine, registers no Gemma 4 unified model (its JAX "
     "registry has gemma4's Gemma4ForCausalLM and Gemma4ForConditionalGeneration only)."
 )
+
+
+def tpu_served_sizes() -> list[str]:
+    """The size table's names whose model type the TPU engine serves."""
+    from infra.models import TOWERS
+
+    return [name for name, towers in TOWERS.items() if towers.model_type not in TPU_UNSERVED_TYPES]
 
 
 def tpu_unserved(model_ref: str) -> str | None:

@@ -94,8 +94,14 @@ def first_prompt(task_dir: str) -> str:
         return json.loads(f.readline())["prompt"]
 
 
-def local_copy(uri: str, into: str) -> str:
-    """A local path for `uri` (a directory or file): itself, or a copy under `into` for a gs:// one."""
+# What scoring through an endpoint reads of an export: its tokenizer and configs, never its weights (31B's are
+# about 60 GB, copied while the serving host bills).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+
+
+def local_copy(uri: str, into: str, weights: bool = True) -> str:
+    """A local path for `uri` (a directory or file): itself, or a copy under `into` for a gs:// one; without
+    `weights`, a directory's files but its weights (the tokenizer and configs: what an endpoint's scoring reads)."""
     import pyarrow.fs
 
     from runtime.storage import filesystem, is_gcs
@@ -105,27 +111,9 @@ def local_copy(uri: str, into: str) -> str:
     fs, path = filesystem(uri)
     target = os.path.join(into, path.rstrip("/").rsplit("/", 1)[-1])
     os.makedirs(target, exist_ok=True)
-    pyarrow.fs.copy_files(path, target, source_filesystem=fs)
-    return target
-
-
-# What scoring through an endpoint reads of an export: its tokenizer and configs, never its weights (31B's are
-# about 60 GB, copied while the serving host bills).
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
-
-
-def tokenizer_copy(uri: str, into: str) -> str:
-    """A local directory with `uri`'s files but its weights (a gs:// export's tokenizer and configs); a local path or
-    a hub id is itself (the tokenizer reads only its own files of it)."""
-    import pyarrow.fs
-
-    from runtime.storage import filesystem, is_gcs
-
-    if not is_gcs(uri):
-        return uri
-    fs, path = filesystem(uri)
-    target = os.path.join(into, "tokenizer")
-    os.makedirs(target, exist_ok=True)
+    if weights:
+        pyarrow.fs.copy_files(path, target, source_filesystem=fs)
+        return target
     for info in fs.get_file_info(pyarrow.fs.FileSelector(path)):
         if info.type == pyarrow.fs.FileType.File and not info.base_name.endswith(WEIGHT_SUFFIXES):
             pyarrow.fs.copy_files(info.path, os.path.join(target, info.base_name), source_filesystem=fs)
@@ -163,7 +151,7 @@ def rescore(run: str, model: str, device: str, dtype: str, batch_size: int, endp
         if evaluation.get("named_tasks"):
             runs.append((evaluation["named_tasks"], None, evaluation["chat_template"], evaluation["limit"]))
         # through an endpoint, the tokenizer alone (copied once); here, the whole model (copied once)
-        source = tokenizer_copy(model, into) if endpoint else local_copy(model, into)
+        source = local_copy(model, into, weights=not endpoint)
         backend, model_args = "hf", f"pretrained={source},dtype={dtype}"
         here = {}
         for tasks, include_path, chat_template, limit in runs:

@@ -19,8 +19,9 @@ class Launch:
     infeasible: list[dict]
 
 
-def node_types(ray_cluster_spec: dict, name: str = "cluster", namespace: str = "default") -> dict:
-    """The autoscaling config's available_node_types for a RayCluster spec (a RayService's rayClusterConfig)."""
+def autoscaling_config(ray_cluster_spec: dict, name: str = "cluster", namespace: str = "default") -> dict:
+    """The autoscaling config (its available_node_types, max_workers, head type) for a RayCluster spec (a
+    RayService's rayClusterConfig), as the autoscaler sidecar derives it from the CR."""
     from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
 
     return _derive_autoscaling_config_from_ray_cr({"metadata": {"name": name, "namespace": namespace},
@@ -89,7 +90,7 @@ def launch_for(ray_cluster_spec: dict, bundles: list[dict], strategy: str, group
     from ray.core.generated.common_pb2 import Bundle, PlacementStrategy
     from ray.core.generated.gcs_pb2 import PlacementGroupTableData
 
-    config = node_types(ray_cluster_spec)
+    config = autoscaling_config(ray_cluster_spec)
     types = config["available_node_types"]
     scheduler = ResourceDemandScheduler(_HeadOnly(), types, config["max_workers"], config["head_node_type"],
                                         config["upscaling_speed"])  # fmt: skip

@@ -10,7 +10,7 @@ import functools
 import pytest
 import yaml
 
-from tests.autoscaler import Launch, launch_for, node_types, replica_placements
+from tests.autoscaler import Launch, autoscaling_config, launch_for, replica_placements
 from tests.test_serving import RAY_SERVICE, SERVE_IMAGE, config_of, served
 
 # (stack, keys, the host's devices): sizes on one chip and on several, v6e and tpu7x, a minimum of 0 and of 1
@@ -73,7 +73,7 @@ def test_a_replica_is_one_whole_host_that_rays_autoscaler_adds_from_zero(case):
     assert strategy == "STRICT_PACK"
     assert bundles == [{"TPU": devices, f"accelerator_type:{generation.ray_accelerator_type}": 0.001,
                         "CPU": 1, "GPU": 0}]  # fmt: skip
-    types = node_types(cluster)["available_node_types"]
+    types = autoscaling_config(cluster)["available_node_types"]
     assert types[group["groupName"]]["resources"]["TPU"] == devices  # one replica's host holds the whole bundle
     replicas = group["maxReplicas"]
     assert launch_for(cluster, bundles, strategy, groups=replicas) == Launch({group["groupName"]: replicas}, [])
@@ -104,7 +104,7 @@ def test_the_group_advertises_the_accelerator_type_ray_finds_on_such_a_node(stac
                                           selectors["cloud.google.com/gke-tpu-accelerator"])  # fmt: skip
     monkeypatch.setattr(TPUAcceleratorManager, "get_current_node_tpu_pod_type", staticmethod(lambda: pod_type))
     detected = f"accelerator_type:{TPUAcceleratorManager.get_current_node_accelerator_type()}"
-    resources = node_types(manifest["spec"]["rayClusterConfig"])["available_node_types"][group["groupName"]]
+    resources = autoscaling_config(manifest["spec"]["rayClusterConfig"])["available_node_types"][group["groupName"]]
     assert resources["resources"][detected] == 1
 
 
@@ -211,7 +211,7 @@ def test_scoring_through_the_endpoint_copies_the_tokenizer_and_never_the_weights
 
     export = f"gs://demo-data/runs/served-{tmp_path.name}/model"
     gcs().put(f"{tiny_assets['model']}/", f"{export}/", recursive=True)
-    copied = rescore.tokenizer_copy(export, str(tmp_path))
+    copied = rescore.local_copy(export, str(tmp_path), weights=False)
     names = set(os.listdir(copied))
     assert not [n for n in names if n.endswith(rescore.WEIGHT_SUFFIXES)]
     assert {n for n in os.listdir(tiny_assets["model"]) if not n.endswith(".safetensors")} == names
