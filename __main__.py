@@ -131,6 +131,9 @@ else:
                 model_source=cfg.serve.model
                 or (training.checkpoint if cfg.serve.what == "finetuned" else cfg.job.model),
                 pool=None if cfg.autopilot else serving_pool_args(cfg.serve, cfg.project, cfg.zone, gke.name),
+                modality_read=training.data_report.apply(lambda report: report.get("modality") or "text")
+                if cfg.job.modality == "auto" and cfg.serve.what == "finetuned" and not cfg.serve.model
+                else None,
             ),
             # after the run whose export it serves (an export named by serveModel exists already)
             opts=pulumi.ResourceOptions(

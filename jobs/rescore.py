@@ -40,6 +40,7 @@ from evaluation.before_after import (
     task_scores,
 )
 from evaluation.endpoint import NEVER_ANSWERED, ServerNotReady, serve_status, wait_until_ready
+from evaluation.media_scores import MEDIA_TASK
 from runtime.outcome import JobInputError, print_result
 
 
@@ -164,14 +165,19 @@ def rescore(run: str, model: str, device: str, dtype: str, batch_size: int, endp
                 limit=limit, bootstrap_iters=0, fewshot_random_seed=1234,
             )  # fmt: skip
             here |= {task: task_scores(results, task) for task in reported(results, tasks)}
-    rows = []
-    for task, entry in evaluation["tasks"].items():
-        if task == PAIRS_TASK:  # a DPO run's own held-out pairs: scored by the job alone, against its reference
-            continue
-        for metric, v in entry["metrics"].items():
-            rows.append((task, metric, v.get("base" if base else "fine_tuned"),
-                         here.get(task, {}).get("metrics", {}).get(metric)))  # fmt: skip
-    return rows
+    return compared(evaluation["tasks"], here, base)
+
+
+# Scored by the job alone: a DPO run's held-out pairs (against its reference) and held-out pictures and sound
+# (lm-eval's tasks here, and an endpoint's, are text); their rows would be disagreements of nothing.
+JOB_ONLY_TASKS = (PAIRS_TASK, MEDIA_TASK)
+
+
+def compared(tasks: dict, here: dict, base: bool) -> list[tuple]:
+    """(task, metric, the run's value, the value here) for each of the run's scores that is scored here too."""
+    return [(task, metric, v.get("base" if base else "fine_tuned"), here.get(task, {}).get("metrics", {}).get(metric))
+            for task, entry in tasks.items() if task not in JOB_ONLY_TASKS
+            for metric, v in entry["metrics"].items()]  # fmt: skip
 
 
 def line(row: tuple) -> str:

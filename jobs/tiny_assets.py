@@ -82,11 +82,18 @@ def make_dataset(path: Path, rows: int = 96, seed: int = 0, mix: str = "tiny") -
 # the assistant role renders as `model`, a system turn as `<|turn>system\n...<turn|>\n`, and the
 # generation prompt is `<|turn>model\n`. Taken from the hub template's rendering as LLaMA-Factory's
 # `template.py` and Google's gemma-skills restate it (../shared/FACTS.md); generation stops at `<turn|>`.
+# A turn's content is a string or a list of text parts (OpenAI's and TRL's form), each part trimmed, as the hub
+# template renders them (GEMMA4_MEDIA_CHAT_TEMPLATE below, less pictures and sound).
 GEMMA4_CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% macro content(message) %}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% endmacro %}"
     "{% for message in messages %}"
     "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "{{ '<|turn>' + role + '\n' + message['content'] | trim + '<turn|>\n' }}"
+    "{{ '<|turn>' + role + '\n' + content(message) + '<turn|>\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|turn>model\n' }}{% endif %}"
 )
@@ -211,43 +218,66 @@ def make_tone(path: Path, hz: float, seconds: float = 0.5, rate: int = 16_000, c
     return path
 
 
-def make_picture(path: Path, colour: tuple[int, int, int], size: tuple[int, int] = (48, 32)) -> Path:
-    """A small PNG: a field of `colour` with a white square in it."""
+def make_picture(path: Path, colour: tuple[int, int, int], size: tuple[int, int] = (48, 32), mode: str = "RGB") -> Path:
+    """A small picture, its format from the name (PNG, JPEG): a field of `colour` with a white square in it; in
+    mode "RGBA", the square is transparent over green and its border half so (the colours under it are not white: a
+    picture read without laying it on white is another picture); in mode "L", greyscale."""
     from PIL import Image, ImageDraw
 
-    image = Image.new("RGB", size, colour)
-    ImageDraw.Draw(image).rectangle((size[0] // 4, size[1] // 4, size[0] // 2, size[1] // 2), fill=(255, 255, 255))
+    box = (size[0] // 4, size[1] // 4, size[0] // 2, size[1] // 2)
+    if mode == "RGBA":
+        image = Image.new("RGBA", size, (*colour, 255))
+        draw = ImageDraw.Draw(image)
+        draw.rectangle(box, fill=(0, 255, 0, 128))
+        draw.rectangle((box[0] + 2, box[1] + 2, box[2] - 2, box[3] - 2), fill=(0, 255, 0, 0))
+    else:
+        image = Image.new("RGB", size, colour)
+        ImageDraw.Draw(image).rectangle(box, fill=(255, 255, 255))
+        image = image.convert(mode)
     image.save(path)
     return path
 
 
-MEDIA = (  # (the files a record names, the caption it trains on: words of the tiny tokenizer's vocabulary)
+# (the files the user turn names, the caption to train on: words of the tiny tokenizer's vocabulary; the turns are
+# content parts unless said). Issue 46's records (a picture, a clip, a picture and a clip, two pictures) and issue
+# 57's forms: a transparent PNG (red.png), a JPEG, a greyscale PNG, a second exchange, text alone in parts and in
+# strings.
+MEDIA = (
     (("red.png",), "a warm small light"),
-    (("blue.png",), "a cold large water"),
+    (("blue.jpg",), "a cold large water"),
     (("tone-440.wav",), "a slowly early time"),
     (("tone-880.wav",), "a quickly late time"),
-    (("blue.png", "tone-440.wav"), "a cold water and an early time"),
-    (("red.png", "blue.png"), "a warm light and a cold water"),
+    (("blue.jpg", "tone-440.wav"), "a cold water and an early time"),
+    (("red.png", "grey.png"), "a warm light and a cold water", "a warm light"),  # then a second exchange, in strings
+    ((), "a small water"),  # text alone, in parts
+    ((), "a large light", "strings"),  # text alone, in strings
 )
+PICTURES = {"red.png": ((200, 30, 30), "RGBA"), "blue.jpg": ((30, 30, 200), "RGB"), "grey.png": ((90, 90, 90), "L")}
+
+
+def media_record(files: tuple[str, ...], caption: str, then: str | None = None) -> dict:
+    """One of MEDIA's records: the files' parts (relative to the data file) before the question."""
+    if then == "strings":
+        return {"messages": [{"role": "user", "content": "describe it ."}, {"role": "assistant", "content": caption}]}
+    parts = [{"type": kind, kind: f"media/{name}"}
+             for name in files for kind in ["audio" if name.endswith(".wav") else "image"]]  # fmt: skip
+    turns = [{"role": "user", "content": [*parts, {"type": "text", "text": "describe it ."}]},
+             {"role": "assistant", "content": [{"type": "text", "text": caption}]}]  # fmt: skip
+    if then:
+        turns += [{"role": "user", "content": "describe it ."}, {"role": "assistant", "content": then}]
+    return {"messages": turns}
 
 
 def make_media(out: Path, copies: int = 1) -> Path:
-    """Pictures and tones under `out`/media, and `out`/media.jsonl: `copies` chat records for each of MEDIA, its
-    content parts naming its files (relative to the data file) before the question, and a caption to answer with
-    (issue 46's records: a picture, a clip, a picture and a clip, two pictures)."""
+    """Pictures and tones under `out`/media, and `out`/media.jsonl: `copies` chat records for each of MEDIA."""
     (out / "media").mkdir(parents=True, exist_ok=True)
-    for name, colour in (("red.png", (200, 30, 30)), ("blue.png", (30, 30, 200))):
-        make_picture(out / "media" / name, colour)
+    for name, (colour, mode) in PICTURES.items():
+        make_picture(out / "media" / name, colour, mode=mode)
     for name, hz in (("tone-440.wav", 440), ("tone-880.wav", 880)):
         make_tone(out / "media" / name, hz)
     with open(out / "media.jsonl", "w") as f:
-        for files, caption in MEDIA * copies:
-            parts = [{"type": kind, kind: f"media/{name}"}
-                     for name in files for kind in ["image" if name.endswith(".png") else "audio"]]  # fmt: skip
-            user = [*parts, {"type": "text", "text": "describe it ."}]
-            f.write(json.dumps({"messages": [{"role": "user", "content": user},
-                                             {"role": "assistant", "content": [{"type": "text", "text": caption}]}]})
-                    + "\n")  # fmt: skip
+        for record in MEDIA * copies:
+            f.write(json.dumps(media_record(*record)) + "\n")
     return out / "media.jsonl"
 
 
@@ -294,7 +324,7 @@ def make_media_model(out: Path, seed: int = 0) -> Path:
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    from data.media_processor import MEDIA_TOKENS, MediaProcessor
+    from data.media_processor import MEDIA_TOKENS, PROCESSOR_CONFIG, MediaProcessor
 
     make_tokenizer(out)
     specials = dict(zip(MEDIA_TOKENS, MEDIA_SPECIAL_TOKENS, strict=True))
@@ -302,8 +332,14 @@ def make_media_model(out: Path, seed: int = 0) -> Path:
     tokenizer.chat_template = GEMMA4_MEDIA_CHAT_TEMPLATE
     images = Gemma4ImageProcessorPil(patch_size=VISION["patch_size"], pooling_kernel_size=VISION["pooling_kernel_size"],
                                      max_soft_tokens=70)  # fmt: skip
-    processor = MediaProcessor(Gemma4AudioFeatureExtractor(), images, tokenizer, GEMMA4_MEDIA_CHAT_TEMPLATE)
+    processor = MediaProcessor(Gemma4AudioFeatureExtractor(), images, tokenizer, GEMMA4_MEDIA_CHAT_TEMPLATE,
+                               image_seq_length=70)  # fmt: skip
     processor.save_pretrained(out)
+    # Gemma 4's files name a video processor too (Gemma4Processor's fourth part): the tiny one's, as its pictures'
+    saved = json.loads((out / PROCESSOR_CONFIG).read_text())
+    saved["video_processor"] = {"video_processor_type": "Gemma4VideoProcessor", "patch_size": VISION["patch_size"],
+                                "pooling_kernel_size": VISION["pooling_kernel_size"], "max_soft_tokens": 70}  # fmt: skip
+    (out / PROCESSOR_CONFIG).write_text(json.dumps(saved, indent=2))
     vocab, shape, ids = len(tokenizer), SIZES["tiny"], {k: tokenizer.convert_tokens_to_ids(v)
                                                        for k, v in specials.items()}  # fmt: skip
     config = Gemma4Config(
@@ -325,9 +361,10 @@ def make_media_model(out: Path, seed: int = 0) -> Path:
 
 
 # Bumped whenever what make_all writes changes: older assets are then made again (2: the chat template; 3: pairs;
-# 4: the generation config stops at the end of turn, as Gemma 4's does; 5: the media model and records).
-ASSETS_VERSION = "5"
-MEDIA_COPIES = 4  # make local's media stage: 24 records, 3 global batches of its 2 workers x 4 rows
+# 4: the generation config stops at the end of turn, as Gemma 4's does; 5: the media model and records; 6: the
+# text template renders text parts, and the media records issue 57's forms).
+ASSETS_VERSION = "6"
+MEDIA_COPIES = 3  # make local's media stage: 24 records, 3 global batches of its 2 workers x 4 rows
 
 
 def make_all(out: Path) -> dict[str, str]:

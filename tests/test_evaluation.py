@@ -225,3 +225,18 @@ def test_the_walkthrough_and_eval_tasks_none_write_no_task(tiny_assets, tmp_path
     for flags in (("--recipe", "walkthrough"), ("--eval-tasks", "none")):
         assert write_task(settings(tiny_assets, *flags), tokenizer, str(tmp_path / "run")) is None
     assert not (tmp_path / "run").exists()
+
+
+def test_the_served_evaluation_compares_only_what_an_endpoint_scores():
+    """rescore.py's rows: a held-out pictures-and-sound task and a DPO run's pairs are the job's alone, so a served
+    evaluation of a media run reports none of their rows as a disagreement; a text task the endpoint missed is one."""
+    import rescore
+
+    tasks = {"heldout": {"metrics": {"chrf": {"base": 10.0, "fine_tuned": 20.0}}},
+             "heldout_media": {"metrics": {"chrf": {"base": 8.2, "fine_tuned": 31.0}}},
+             "heldout_pairs": {"metrics": {"accuracy": {"base": 0.5, "fine_tuned": 0.9}}}}  # fmt: skip
+    rows = rescore.compared(tasks, {"heldout": {"metrics": {"chrf": 20.0}}}, base=False)
+    assert rows == [("heldout", "chrf", 20.0, 20.0)] and rescore.disagreements(rows, 1e-4) == []
+    assert rescore.disagreements(rescore.compared(tasks, {}, base=True), 1e-4) == [
+        "heldout chrf: - here, 10.000000 in the run"
+    ]

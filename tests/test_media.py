@@ -226,15 +226,15 @@ def test_the_picture_and_the_clip_reach_the_model(media_model):
     inputs, not dropped on the way."""
     import numpy as np
     import torch
-    from PIL import Image
     from transformers import AutoModelForImageTextToText
 
+    from data.media import picture
     from data.media_processor import load_media_processor
 
     model_dir, assets = media_model
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     processor = load_media_processor(str(model_dir))
-    red, blue = (Image.open(assets / "media" / f"{c}.png").convert("RGB") for c in ("red", "blue"))
+    red, blue = (picture((assets / "media" / name).read_bytes()) for name in ("red.png", "blue.jpg"))
     low, high = (np.sin(2 * np.pi * hz * np.arange(8000) / 16000).astype(np.float32) * 0.5 for hz in (440, 880))
 
     def loss(picture, clip) -> float:
@@ -256,7 +256,7 @@ def test_a_picture_or_clip_replaced_under_its_name_is_prepared_again(tmp_path):
 
     data = str(make_media(tmp_path))
     first = media_fingerprint([data], "model")
-    assert first == media_fingerprint([data], "model") and len(first[0][2]) == 4  # two pictures, two clips
+    assert first == media_fingerprint([data], "model") and len(first[0][2]) == 5  # three pictures, two clips
     make_picture(tmp_path / "media" / "red.png", (201, 30, 30))
     assert media_fingerprint([data], "model") != first
     make_tone(tmp_path / "media" / "tone-440.wav", 441)
@@ -303,3 +303,139 @@ def test_a_datasets_own_image_and_audio_columns_are_read_as_files_are(media_mode
     assert ft.main([*argv, "--dataset", bad]) == 2
     err = capsys.readouterr().err
     assert f"{bad}, record 2: turn 1's image 1 'images[0]' cannot be decoded as an image" in err
+
+
+def pictures_of_every_mode(folder) -> dict[str, bool]:
+    """Pictures of the modes users' files come in, under `folder`: {name: whether it carries an EXIF rotation}.
+    Colours hide under the transparent pixels, so a picture read without laying it on white is another picture."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 256, (20, 30, 4), dtype=np.uint8)
+    rgba = Image.fromarray(pixels, "RGBA")
+    rgba.save(folder / "rgba.png")
+    Image.fromarray(pixels[..., [0, 3]], "LA").save(folder / "la.png")
+    rgba.convert("RGB").quantize(16).save(folder / "p-transparent.png", transparency=3)  # a tRNS chunk
+    Image.fromarray(pixels[..., 0], "L").save(folder / "grey.png")
+    Image.fromarray(pixels[..., 0] > 128).save(folder / "bilevel.png")
+    rgba.convert("CMYK").save(folder / "cmyk.jpg")
+    rgba.convert("RGB").save(folder / "flat.jpg")
+    for name, image, turn in (("phone.jpg", rgba.convert("RGB"), 6), ("turned.png", rgba, 3)):
+        exif = image.getexif()
+        exif[0x0112] = turn  # the EXIF orientation tag: rotate 90 degrees, 180 degrees
+        image.save(folder / name, exif=exif)
+    return {name: name in ("phone.jpg", "turned.png") for name in sorted(p.name for p in folder.iterdir())}
+
+
+VLLM_LOADS = """
+import json, sys
+import numpy as np
+from vllm.multimodal.media.image import ImageMediaIO
+
+loader = ImageMediaIO(image_mode="RGB")  # as vLLM's MediaConnector loads a chat request's picture
+for path in json.loads(sys.stdin.read()):
+    np.save(path + ".vllm.npy", np.asarray(loader.load_bytes(open(path, "rb").read()).media))
+"""
+
+
+def test_a_picture_is_the_one_vllm_serves_and_transformers_processes_whatever_its_mode(tmp_path):
+    """Every mode (transparent RGBA, LA and palette pictures, greyscale, bilevel, CMYK, JPEG) and EXIF orientation:
+    the job's pixels are those vLLM 0.29's own loader gives the served model (run in the serving venv), and, for a
+    picture without an EXIF rotation, those transformers' processor makes of the PIL image (TRL's format)."""
+    import subprocess
+
+    import numpy as np
+    from PIL import Image
+    from transformers.image_transforms import convert_to_rgb
+
+    from data.media import picture
+    from infra.local_serving import ROOT, SERVE_PYTHON
+
+    rotated = pictures_of_every_mode(tmp_path)
+    paths = [str(tmp_path / name) for name in rotated]
+    done = subprocess.run([str(SERVE_PYTHON), "-c", VLLM_LOADS], input=json.dumps(paths), text=True, cwd=ROOT,
+                          capture_output=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    differs_from_plain_convert = []
+    for name, turned in rotated.items():
+        ours = np.asarray(picture((tmp_path / name).read_bytes()))
+        np.testing.assert_array_equal(ours, np.load(tmp_path / f"{name}.vllm.npy"), err_msg=name)
+        if not turned:
+            np.testing.assert_array_equal(ours, convert_to_rgb(Image.open(tmp_path / name), return_numpy=True), name)
+        plain = np.asarray(Image.open(tmp_path / name).convert("RGB"))
+        differs_from_plain_convert += [name] if plain.shape != ours.shape or (plain != ours).any() else []
+    assert differs_from_plain_convert == ["la.png", "p-transparent.png", "phone.jpg", "rgba.png", "turned.png"]
+
+
+def test_a_deep_or_huge_picture_is_named_with_the_fix(tmp_path, monkeypatch):
+    """A 16-bit greyscale PNG reads near-white on every path (refused, not trained as white), and one past PIL's
+    decompression-bomb limit is a bad record, not a traceback."""
+    import numpy as np
+    from PIL import Image
+
+    deep = tmp_path / "deep.png"
+    Image.fromarray(np.arange(600, dtype=np.uint16).reshape(20, 30) * 97).save(deep)
+    with pytest.raises(MediaError, match=r"is a 16-bit picture \(PIL mode I;16\).*save it with 8 bits a channel"):
+        open_image(deep.read_bytes())
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # (PIL refuses past twice this: 48 x 32 is past it)
+    big = make_picture(tmp_path / "big.png", (1, 2, 3)).read_bytes()
+    with pytest.raises(MediaError, match=r"is too large to open \(Image size \(1536 pixels\).*shrink it first"):
+        open_image(big)
+
+
+@pytest.fixture
+def web(tmp_path):
+    """A web server on 127.0.0.1 serving tmp_path/web: the base of its addresses."""
+    import functools
+    import http.server
+    import threading
+
+    (tmp_path / "web").mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / "web"))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_every_record_form_a_user_writes_is_read(media_model, tmp_path, web, capsys):
+    """In one media file: text alone in parts, an http(s) `url` part (fetched, not joined onto the data file's
+    folder), a data: URL, OpenAI's image_url part, a datasets Image entry by path alone; and their faults named by
+    line in one run (an address that answers 404, a part that is neither text nor media)."""
+    import base64
+
+    import ray_train_llm_finetune as ft
+    from data.media import media_refs
+
+    model_dir, assets = media_model
+    red = assets / "media" / "red.png"
+    (tmp_path / "web" / "red.png").write_bytes(red.read_bytes())
+    inline = "data:image/png;base64," + base64.b64encode(red.read_bytes()).decode()
+    by_path = {"messages": parts({"type": "image"}, {"type": "text", "text": "describe it ."})["messages"],
+               "images": [{"bytes": None, "path": str(red)}]}  # fmt: skip
+    good = [
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "describe it ."}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": "a warm light"}]}]},
+        parts({"type": "image", "url": f"{web}/red.png"}, {"type": "text", "text": "describe it ."}),
+        parts({"type": "image", "image": inline}),
+        parts({"type": "image_url", "image_url": {"url": f"{web}/red.png"}}),
+        by_path,
+    ]  # fmt: skip
+    assert [r.ref for r in media_refs(by_path)] == [str(red)]
+    data = tmp_path / "forms.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in good))
+    argv = ["--backend", "cpu", "--num-workers", "1", "--model", str(model_dir), "--eval-split", "none",
+            "--storage-path", str(tmp_path / "runs"), "--preflight"]  # fmt: skip
+    assert ft.main([*argv, "--dataset", str(data)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "5 used" in out and "media: 4 records hold 4 pictures" in out
+    bad = [parts({"type": "image", "url": f"{web}/gone.png"}), parts({"type": "video", "video": "clip.mp4"})]
+    data.write_text("".join(json.dumps(r) + "\n" for r in [*good[:2], *bad]))
+    assert ft.main([*argv, "--dataset", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert "2 bad records:" in err and "Traceback" not in err, err
+    assert (
+        f"line 3: turn 1's image 1 '{web}/gone.png' cannot be fetched (HTTP 404 File not found); fix the address" in err
+    )
+    assert "line 4: turn 1's content's part 1 is 'video'; a part is text" in err

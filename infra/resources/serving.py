@@ -5,7 +5,7 @@ OpenAI app on it, its own Ray cluster beside the training one. The endpoint is p
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pulumi
 import pulumi_gcp as gcp
@@ -23,6 +23,7 @@ from infra.serving import (
     serve_config,
     served_model_name,
 )
+from infra.serving_checks import served_as_run_read
 
 KIND = "RayService"
 SERVE_POOL_NAME = "tpu-serve-pool"
@@ -127,6 +128,14 @@ def head_group(spec: ServingSpec, image: str) -> dict:
     }
 
 
+def as_run_read(spec: ServingSpec, modality_read: str | None) -> ServingSpec:
+    """The spec for what the run's records held (modality auto: known once it has run); raises for what cannot be
+    served as it is (serving_checks.served_as_run_read), which fails `up` at the endpoint with the reason."""
+    if modality_read is None:
+        return spec
+    return replace(spec, serve=served_as_run_read(spec.serve, modality_read))
+
+
 def ray_service_manifest(spec: ServingSpec, image: str, model_source: str) -> dict:
     """The RayService as a plain dict: a CPU head, one worker group of single-host TPU replicas that the in-tree
     autoscaler scales as Serve does, and the OpenAI app serving `model_source`."""
@@ -171,6 +180,8 @@ class ServingEndpointArgs:
     image: pulumi.Input[str]  # the serving image, by digest
     model_source: pulumi.Input[str]  # the run's export (gs://, the job resource's output) or the starting model
     pool: dict | None  # serving_pool_args in Standard mode; None on Autopilot (its pods ask for the TPU)
+    # modality auto: what the run's records held (its data report's modality), which decides how it is served
+    modality_read: pulumi.Input[str] | None = None
 
 
 class ServingEndpoint(pulumi.ComponentResource):
@@ -189,8 +200,8 @@ class ServingEndpoint(pulumi.ComponentResource):
                 opts=pulumi.ResourceOptions(parent=self, ignore_changes=["nodeCount"],
                                             custom_timeouts=pulumi.CustomTimeouts(create="30m")),
             )  # fmt: skip
-        manifest = pulumi.Output.all(args.image, args.model_source).apply(
-            lambda found: ray_service_manifest(spec, found[0], found[1])["spec"]
+        manifest = pulumi.Output.all(args.image, args.model_source, args.modality_read).apply(
+            lambda found: ray_service_manifest(as_run_read(spec, found[2]), found[0], found[1])["spec"]
         )
         self.ray_service = k8s.apiextensions.CustomResource(
             name,

@@ -6,8 +6,20 @@ A turn's content may be a list of parts, as Gemma 4's processor's chat template 
 or `url` also name the file). TRL's vision format is taken too: an `images` column beside `{"type": "image"}`
 parts without a file, the column's entries in order (and, alike, an `audios` column for `{"type": "audio"}` parts);
 an entry is a PATH or a dataset's own Image or Audio feature (a hub dataset's, or a parquet file's that `datasets`
-wrote), read undecoded (sft_data.undecoded) and decoded here. A PATH is a local path (relative to the data file's folder)
-or a gs:// URI.
+wrote), read undecoded (sft_data.undecoded) and decoded here. A PATH is a local path (relative to the data file's folder),
+a gs:// URI, an http(s) address (transformers' documented `url` form) or a `data:` URL. OpenAI's
+`{"type": "image_url", "image_url": {"url": ...}}` is a picture, as transformers' processor reads it
+(processing_utils.py `_normalize_conversations`). A dataset's entry with a path and no bytes is that file.
+
+A picture is what inference sees: the file's EXIF orientation applied, then transformers' `convert_to_rgb`
+(image_transforms.py: transparency laid on white), as vLLM 0.29 loads one to serve it (vllm/multimodal/image.py:
+`normalize_image`, then `convert_image_mode`'s white background). transformers itself has two paths that disagree:
+a PIL image handed to the image processor keeps its orientation (no EXIF) and is laid on white; a path or URL goes
+through `image_utils.load_image`, which applies the EXIF orientation but then drops the alpha channel with
+`convert("RGB")`, keeping the colours under it. The job takes the path that serves. A picture of more than 8 bits a
+channel (PIL modes I;16, I, F: 16-bit greyscale PNGs, float TIFFs) comes out near-white on every path (the
+conversion to RGB clips it), so it is refused with the fix; so is one PIL will not open for its size
+(DecompressionBombError, above 2 x PIL.Image.MAX_IMAGE_PIXELS, vLLM's VLLM_MAX_IMAGE_PIXELS too).
 
 What is checked, from the pinned transformers 5.23 (models/gemma4/feature_extraction_gemma4.py): the audio feature
 extractor reads 16 kHz samples and does not resample, so another rate would be heard at the wrong speed; it cuts
@@ -26,7 +38,11 @@ from dataclasses import dataclass
 from data.render import RecordError
 
 MEDIA = ("image", "audio")
+PART_KINDS = {"image": "image", "audio": "audio", "image_url": "image"}  # a part's type: what it holds (OpenAI's too)
 FILE_KEYS = ("image", "audio", "path", "url")  # where a part names its file, first found
+ADDRESSES = ("gs://", "http://", "https://", "data:")  # refs taken as written, not from the data file's folder
+DEEP_MODES = {"I;16": "16-bit", "I;16B": "16-bit", "I;16L": "16-bit", "I;16N": "16-bit", "I": "32-bit", "F": "32-bit"}
+FETCH_TIMEOUT_S = 30
 SAMPLE_RATE = 16_000  # Gemma4AudioFeatureExtractor's sampling_rate
 LONGEST_CLIP_S = 30.0  # its max_length, 480,000 samples, at that rate
 SILENT_PEAK = 1e-4  # of full scale: a clip no louder than this holds nothing to hear
@@ -65,6 +81,11 @@ COLUMNS = {"image": "images", "audio": "audios"}  # the columns of files for bar
 def _entry(part: dict, kind: str, columns: dict, used: dict, where: str) -> tuple[str, bytes | None]:
     """(the ref, the bytes of a dataset's own entry or None) of a part."""
     named = next((part[k] for k in FILE_KEYS if isinstance(part.get(k), str) and part[k].strip()), None)
+    if part.get("type") == "image_url":  # OpenAI's: {"image_url": {"url": ...}} or {"image_url": "..."}
+        inner = part.get("image_url")
+        named = inner.get("url") if isinstance(inner, dict) else inner
+        if not (isinstance(named, str) and named.strip()):
+            raise RecordError(f"{where} names no file: give its image_url a url")
     if named is not None:
         return named, None
     column, entries = COLUMNS[kind], columns[kind]
@@ -75,6 +96,8 @@ def _entry(part: dict, kind: str, columns: dict, used: dict, where: str) -> tupl
             return entry, None
         if isinstance(entry, dict) and entry.get("bytes"):  # a datasets Image or Audio feature, undecoded
             return entry.get("path") or f"{column}[{index}]", entry["bytes"]
+        if isinstance(entry, dict) and isinstance(entry.get("path"), str) and entry["path"].strip():
+            return entry["path"], None  # such an entry by path alone: that file
         raise RecordError(f"{where}: {column}[{index}] is {type(entry).__name__}; it must be a path, a gs:// URI or a "
                           f"datasets {kind.title()} feature")  # fmt: skip
     raise RecordError(f"{where} names no file: give it an {kind!r} (or 'path') key, or list it in the {column} column")
@@ -91,7 +114,7 @@ def media_refs(record: dict) -> list[MediaRef]:
             continue
         counts = dict.fromkeys(MEDIA, 0)
         for part in parts:
-            kind = part.get("type") if isinstance(part, dict) else None
+            kind = PART_KINDS.get(part.get("type")) if isinstance(part, dict) else None
             if kind in MEDIA:
                 counts[kind] += 1
                 where = f"turn {t}'s {kind} {counts[kind]}"
@@ -123,12 +146,33 @@ def text_view(record: dict) -> dict:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
             return part.get("text") or ""
-        return f"<{kind or 'part'}>"
+        return f"<{PART_KINDS.get(kind, kind) or 'part'}>"
 
     turns = [turn | {"content": " ".join(map(text, turn["content"])).strip()}
              if isinstance(turn, dict) and isinstance(turn.get("content"), list) else turn
              for turn in record["messages"]]  # fmt: skip
     return record | {"messages": turns}
+
+
+class FetchError(OSError):
+    """An http(s) address that gave no file; its message is the record's."""
+
+
+def _fetch(url: str) -> bytes:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, headers={"User-Agent": "gemma4-finetune-data-check"})
+    try:
+        with urllib.request.urlopen(request, timeout=FETCH_TIMEOUT_S) as answer:
+            return answer.read()
+    except urllib.error.HTTPError as err:
+        raise FetchError(f"cannot be fetched (HTTP {err.code} {err.reason}); fix the address, or copy the file "
+                         "beside the data and name it by its path") from None  # fmt: skip
+    except (urllib.error.URLError, TimeoutError, OSError) as err:
+        reason = getattr(err, "reason", err)
+        raise FetchError(f"cannot be fetched ({reason}); the address must answer from where the job runs (the "
+                         "cluster's pods), or copy the file beside the data") from None  # fmt: skip
 
 
 def _read(path: str) -> bytes:
@@ -137,20 +181,40 @@ def _read(path: str) -> bytes:
 
         with gcs().open(path, "rb") as f:
             return f.read()
+    if path.startswith(("http://", "https://")):
+        return _fetch(path)
+    if path.startswith("data:"):
+        import base64
+        import binascii
+
+        try:
+            return base64.b64decode(path.split(",", 1)[1], validate=True)
+        except (IndexError, binascii.Error):
+            raise FetchError("is a data: URL without base64 content after its comma; write it as "
+                             "data:image/png;base64,...") from None  # fmt: skip
     with open(path, "rb") as f:
         return f.read()
 
 
 def open_image(data: bytes) -> ImageFacts:
-    """The image decoded whole; raises MediaError."""
+    """The image decoded whole; raises MediaError for one that cannot be, or that every path reads wrong."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as image:
             image.load()
-            return ImageFacts(*image.size)
+            mode, size = image.mode, image.size
+    except Image.DecompressionBombError as err:
+        raise MediaError(f"is too large to open ({err}); neither PIL nor vLLM opens it: shrink it first (the "
+                         "processor resizes every picture to its soft-token budget): convert IN -resize "
+                         "4096x4096 OUT.png") from None  # fmt: skip
     except (UnidentifiedImageError, OSError, ValueError) as err:
         raise MediaError(f"cannot be decoded as an image ({err}); export it again as PNG or JPEG") from None
+    if mode in DEEP_MODES:
+        raise MediaError(f"is a {DEEP_MODES[mode]} picture (PIL mode {mode}), which transformers' and vLLM's "
+                         "conversion to RGB clips to near-white: save it with 8 bits a channel "
+                         "(convert IN -depth 8 OUT.png)")  # fmt: skip
+    return ImageFacts(*size)
 
 
 def _samples(frames: bytes, width: int):
@@ -178,11 +242,18 @@ def clip_samples(data: bytes):
 
 
 def picture(data: bytes):
-    """A (checked) image file as an RGB PIL image: what the image processor reads."""
-    from PIL import Image
+    """A (checked) image file as the RGB PIL image inference sees (module docstring): upright by its EXIF
+    orientation, transparency laid on white by transformers' own convert_to_rgb."""
+    import contextlib
+
+    from PIL import Image, ImageOps
+    from transformers.image_transforms import convert_to_rgb
 
     with Image.open(io.BytesIO(data)) as image:
-        return image.convert("RGB")
+        upright = image
+        with contextlib.suppress(Exception):  # as vLLM's normalize_image: a broken EXIF block leaves it as it is
+            upright = ImageOps.exif_transpose(image)
+        return Image.fromarray(convert_to_rgb(upright, return_numpy=True), "RGB")
 
 
 def _peak(frames: bytes, width: int) -> float:
@@ -240,7 +311,7 @@ class MediaCheck:
             if key not in self.seen:
                 self.seen[key] = self._open(ref.kind, key[1], ref.data)
             if isinstance(self.seen[key], str):
-                found.append(f"{ref.where} {ref.ref!r} {self.seen[key]}")
+                found.append(f"{ref.where} {shown(ref.ref)!r} {self.seen[key]}")
         return found
 
     def contents(self, refs: list[MediaRef], data_file: str) -> list:
@@ -267,6 +338,8 @@ class MediaCheck:
             data = _read(path) if data is None else data
         except FileNotFoundError:
             return f"is not there ({path}); fix the path (a relative one is from the data file's folder)"
+        except FetchError as err:
+            return str(err)
         except OSError as err:
             return f"cannot be read ({err})"
         try:
@@ -279,9 +352,15 @@ class MediaCheck:
         return facts
 
 
+def shown(ref: str, width: int = 80) -> str:
+    """A ref as a message names it: a data: URL (a whole file in the record) cut to its start."""
+    return ref if len(ref) <= width else f"{ref[: width - 3]}..."
+
+
 def located(ref: str, data_file: str) -> str:
-    """A record's file as a path or URI: absolute and gs:// ones as written, others from the data file's folder."""
-    if ref.startswith("gs://") or os.path.isabs(ref):
+    """A record's file as a path or URI: absolute ones and addresses (gs://, http(s), data:) as written, others from
+    the data file's folder."""
+    if ref.startswith(ADDRESSES) or os.path.isabs(ref):
         return ref
     if data_file.startswith("gs://"):
         return f"{data_file.rsplit('/', 1)[0]}/{ref}"

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from data.labels import IGNORE
-from data.media import MediaRef
+from data.media import PART_KINDS, MediaRef
 from data.render import ROLES, RecordError, render_chat, tokenize
 
 
@@ -47,7 +47,11 @@ def media_turns(record: dict) -> list[dict]:
     or clip as a bare `{"type": kind}` part (its file is handed to the processor apart)."""
 
     def part(p: dict) -> dict:
-        return {"type": "text", "text": p.get("text") or ""} if p.get("type") == "text" else {"type": p["type"]}
+        return (
+            {"type": "text", "text": p.get("text") or ""}
+            if p.get("type") == "text"
+            else {"type": PART_KINDS.get(p["type"], p["type"])}
+        )  # (OpenAI's image_url is a picture)
 
     return [{"role": ROLES[t["role"]], "content": [part(p) for p in t["content"] if isinstance(p, dict)]
              if isinstance(t["content"], list) else t["content"]} for t in record["messages"]]  # fmt: skip

@@ -89,6 +89,12 @@ def media_fingerprint(files: list[str], model: str) -> list:
 
 def _media_digest(path: str) -> str:
     try:
+        if path.startswith(("http://", "https://")):  # what the address gives now (read once more, by the check)
+            from data.media import _read
+
+            return hashlib.sha256(_read(path)).hexdigest()
+        if path.startswith("data:"):
+            return hashlib.sha256(path.encode()).hexdigest()
         return _file_digest(path)
     except OSError:
         return "missing"  # (the preparation names it)

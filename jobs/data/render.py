@@ -62,7 +62,33 @@ def checked_turn(turn, name: str) -> dict:
         raise RecordError(f"{name}'s role is missing; use one of {', '.join(ROLES)}")
     if turn["role"] not in ROLES:
         raise RecordError(f"{name} has the unknown role {turn['role']!r}; use one of {', '.join(ROLES)}")
-    return {"role": ROLES[turn["role"]], "content": _text(turn.get("content"), f"{name}'s content")}
+    content = turn.get("content")
+    if isinstance(content, list):
+        return {"role": ROLES[turn["role"]], "content": text_parts(content, f"{name}'s content")}
+    return {"role": ROLES[turn["role"]], "content": _text(content, f"{name}'s content")}
+
+
+def text_parts(parts: list, what: str) -> list[dict]:
+    """A turn's content as a list of text parts (OpenAI's and TRL's form), kept as parts: the chat template renders
+    them as it renders them at inference. Raises RecordError for a part that is not text, or no text at all."""
+    out = []
+    for i, part in enumerate(parts, 1):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text":
+            raise RecordError(f"{what}'s part {i} is {kind!r}; a part is text ({{'type': 'text', 'text': ...}}), "
+                              "an image or an audio clip")  # fmt: skip
+        if not isinstance(part.get("text"), str):
+            raise RecordError(f"{what}'s part {i} has no text; give it a 'text' string")
+        out.append({"type": "text", "text": part["text"]})
+    if not any(p["text"].strip() for p in out):
+        raise RecordError(f"{what} holds no text; it must be non-empty text")
+    return out
+
+
+def content_text(content) -> str:
+    """A turn's content as one string (its text parts joined by newlines): for the walkthrough's text format, which
+    has no parts."""
+    return content if isinstance(content, str) else "\n".join(p["text"].strip() for p in content)
 
 
 def conversation(record: dict, fmt: str) -> list[dict]:
@@ -98,7 +124,8 @@ class Rendered:
     special_tokens: bool  # whether the tokenizer adds its own (the chat template writes them itself)
 
 
-def user_text(turn: dict) -> str:
+def user_text(turn: dict):
+    """A turn's content for the chat template (a Dolly user turn's context after its instruction; parts as they are)."""
     return f"{turn['content']}\n\n{turn['context']}" if turn.get("context") else turn["content"]
 
 
@@ -132,9 +159,10 @@ def render_text(turns: list[dict]) -> Rendered:
     parts, spans, at = [], [], 0
     for turn in turns:
         label = {"system": "System: ", "user": "Instruction: ", "assistant": "Response: "}[turn["role"]]
+        text = content_text(turn["content"])
         start = at + (1 if parts else 0) + len(label)
-        parts.append(label + turn["content"])
-        at = start + len(turn["content"])
+        parts.append(label + text)
+        at = start + len(text)
         if turn["role"] == "assistant":
             spans.append((start, at))
     return Rendered("\n".join(parts), tuple(spans), special_tokens=True)

@@ -107,7 +107,7 @@ def task_yaml(config: dict) -> str:
 def held_out_docs(settings, tokenizer) -> list[dict]:
     """The held-out records as prompt/reference pairs (the prompt in the chat template, up to the model's turn),
     each with its answer's token count as lm-eval splits it (the pair encoded whole, less the prompt)."""
-    from data.render import conversation, detect_format, user_text
+    from data.render import content_text, conversation, detect_format, user_text
     from data.sft_data import load_splits
 
     _, held_out, loaded = load_splits(settings)
@@ -122,7 +122,7 @@ def held_out_docs(settings, tokenizer) -> list[dict]:
             last = max(i for i, t in enumerate(turns) if t["role"] == "assistant")
             messages = [{"role": t["role"], "content": user_text(t)} for t in turns[:last]]  # (Dolly's context too)
             prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            reference = turns[last]["content"]
+            reference = content_text(turns[last]["content"])  # (text parts joined)
             whole, asked = (
                 len(tokenizer.encode(t, add_special_tokens=False)) for t in (prompt + reference + stop, prompt)
             )

@@ -194,10 +194,23 @@ def save_pretrained(model, tokenizer, directory: str, lora=None) -> None:
     model.save_pretrained(directory, state_dict=state_dict)
     tokenizer.save_pretrained(directory)
     if getattr(model.model, "vision_tower", None) is not None or getattr(model.model, "audio_tower", None) is not None:
-        from data.media_processor import load_media_processor
-
         # the towers' processor beside them: a from_pretrained directory a server loads with its pictures and sound
-        load_media_processor(model.config._name_or_path).save_pretrained(directory)
+        save_processor(model.config._name_or_path, directory)
+
+
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+
+
+def save_processor(base: str, directory: str) -> None:
+    """The base model's processor files into `directory`, as they are (training changes no processor; the job read
+    its pictures and sound with them), so the export loads as its base does: AutoProcessor builds Gemma4Processor,
+    its video processor included, from Gemma 4's own files."""
+    import os
+    import shutil
+
+    for name in PROCESSOR_FILES:
+        if os.path.isfile(os.path.join(base, name)):
+            shutil.copy(os.path.join(base, name), directory)
 
 
 def export_pretrained(model, tokenizer, filesystem, target: str, lora=None) -> None:

@@ -1,7 +1,8 @@
 """What the model says: at each eval, greedy answers to the first --eval-samples held-out prompts.
 
 A prompt is a held-out record's tokens before its first trained one, as prepared (so rendered with
-the chat template, up to the model's turn); its reference is the record's trained tokens. A record's pictures and
+the chat template, up to the model's turn); its reference is the answer that follows (the first run of trained
+tokens: a second exchange's answer is not this prompt's). A record's pictures and
 clips go with it (the towers read them at the first step) and lead its prompt's text by name. The answer
 is up to NEW_TOKENS tokens, stopping at the end of the turn (model.stop_at_end_of_turn).
 
@@ -28,13 +29,15 @@ def held_out_prompts(rows, tokenizer, settings) -> list[dict]:
         first = int(np.argmax(trained)) if trained.any() else 0
         if first == 0:
             continue
+        answer = trained[first:].astype(bool)  # the first answer: a later exchange's is not this prompt's
+        stop = first + (len(answer) if answer.all() else int(np.argmin(answer)))
         media = getattr(rows, "media", None)
         files = media.files(record) if media is not None else []
         prompts.append({
             "ids": np.asarray(ids[:first], dtype=np.int64),
             "prompt": (f"[{', '.join(files)}] " if files else "") + tokenizer.decode(ids[:first],
                                                                                       skip_special_tokens=True),
-            "reference": tokenizer.decode(ids[first:][trained[first:].astype(bool)], skip_special_tokens=True),
+            "reference": tokenizer.decode(ids[first:stop], skip_special_tokens=True),
         } | ({"media": media.of([record])} if files else {}))  # fmt: skip
         if len(prompts) == settings.eval_samples:
             break
