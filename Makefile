@@ -52,12 +52,14 @@ local: $(INSTALLED) $(SERVE_INSTALLED)
 
 # The walkthrough's fine-tune recipe vs the default, side by side (a few minutes on 2 cores), checkpoint writes
 # to the GCS emulator (a minute), then the data prepared once at 10k, 100k and 1M records (about half an hour),
-# --compile against eager, and the served model's throughput against generate()'s (a few minutes).
+# --compile against eager, media records packed against one a row (a minute), and the served model's throughput
+# against generate()'s (a few minutes).
 bench: $(INSTALLED) $(SERVE_INSTALLED)
 	$(BIN)/python -m bench.finetune
 	$(BIN)/python -m bench.checkpoint_writes
 	$(BIN)/python -m bench.data
 	$(BIN)/python -m bench.step
+	$(BIN)/python -m bench.media_packing
 	$(BIN)/python -m bench.serving
 
 clean:

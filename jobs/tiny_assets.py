@@ -238,10 +238,8 @@ def make_picture(path: Path, colour: tuple[int, int, int], size: tuple[int, int]
     return path
 
 
-# (the files the user turn names, the caption to train on: words of the tiny tokenizer's vocabulary; the turns are
-# content parts unless said). Issue 46's records (a picture, a clip, a picture and a clip, two pictures) and issue
-# 57's forms: a transparent PNG (red.png), a JPEG, a greyscale PNG, a second exchange, text alone in parts and in
-# strings.
+# (the user turn's files, the caption: the tiny vocabulary's words; content parts unless said). Issue 46's records
+# and issue 57's forms: a transparent PNG (red.png), a JPEG, a greyscale PNG, a second exchange, text alone.
 MEDIA = (
     (("red.png",), "a warm small light"),
     (("blue.jpg",), "a cold large water"),
@@ -259,8 +257,7 @@ def media_record(files: tuple[str, ...], caption: str, then: str | None = None) 
     """One of MEDIA's records: the files' parts (relative to the data file) before the question."""
     if then == "strings":
         return {"messages": [{"role": "user", "content": "describe it ."}, {"role": "assistant", "content": caption}]}
-    parts = [{"type": kind, kind: f"media/{name}"}
-             for name in files for kind in ["audio" if name.endswith(".wav") else "image"]]  # fmt: skip
+    parts = [{"type": (k := "audio" if name.endswith(".wav") else "image"), k: f"media/{name}"} for name in files]
     turns = [{"role": "user", "content": [*parts, {"type": "text", "text": "describe it ."}]},
              {"role": "assistant", "content": [{"type": "text", "text": caption}]}]  # fmt: skip
     if then:
@@ -273,8 +270,8 @@ def make_media(out: Path, copies: int = 1) -> Path:
     (out / "media").mkdir(parents=True, exist_ok=True)
     for name, (colour, mode) in PICTURES.items():
         make_picture(out / "media" / name, colour, mode=mode)
-    for name, hz in (("tone-440.wav", 440), ("tone-880.wav", 880)):
-        make_tone(out / "media" / name, hz)
+    for name, hz, seconds in (("tone-440.wav", 440, 0.5), ("tone-880.wav", 880, 1.0)):  # clips of two lengths
+        make_tone(out / "media" / name, hz, seconds)
     with open(out / "media.jsonl", "w") as f:
         for record in MEDIA * copies:
             f.write(json.dumps(media_record(*record)) + "\n")
@@ -364,7 +361,7 @@ def make_media_model(out: Path, seed: int = 0) -> Path:
 # 4: the generation config stops at the end of turn, as Gemma 4's does; 5: the media model and records; 6: the
 # text template renders text parts, and the media records issue 57's forms).
 ASSETS_VERSION = "6"
-MEDIA_COPIES = 3  # make local's media stage: 24 records, 3 global batches of its 2 workers x 4 rows
+MEDIA_COPIES = 12  # make local's media stage: 96 records, packed into 3 global batches of its 2 workers x 4 rows
 
 
 def make_all(out: Path) -> dict[str, str]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import checkpoint_writes
+from bench import checkpoint_writes, media_packing
 from bench import data as data_bench
 from bench import finetune as bench
 
@@ -70,3 +70,11 @@ def test_checkpoint_write_bench_smoke_prints_the_ratio(capsys):
     printed = capsys.readouterr().out
     assert set(out["seconds"]) == {"defaults (1 file, 5 MiB blocks)", "the jobs' (jobs/runtime/storage.py)"}
     assert out["ratio"] > 0 and "the jobs' / defaults" in printed and "MB/s" in printed
+
+
+def test_media_packing_bench_smoke_prints_the_ratio(capsys):
+    out = media_packing.main(["--copies", "4", "--steps", "2", "--seq-len", "256"])
+    printed = capsys.readouterr().out
+    one, packed = (out["runs"][name]["history"][-1] for name in media_packing.RUNS)
+    assert packed["real_token_share"] > 2 * one["real_token_share"] and out["ratio"] > 0
+    assert "packed / one a row" in printed and "real_tokens_per_s" in printed

@@ -132,7 +132,7 @@ def test_the_preflight_names_every_broken_picture_and_clip_by_file_and_line_in_o
     data = tmp_path / "captions.jsonl"
     data.write_text("\n".join(lines) + "\n")
     argv = ["--backend", "cpu", "--num-workers", "1", "--model", str(media_model[0]), "--dataset", str(data),
-            "--eval-split", "none", "--storage-path", str(tmp_path / "runs"), "--preflight"]  # fmt: skip
+            "--eval-split", "none", "--storage-path", str(tmp_path / "runs"), "--batch-size", "1", "--preflight"]  # fmt: skip
     assert ft.main(argv) == 2
     err = capsys.readouterr().err
     expected = [
@@ -154,7 +154,7 @@ def test_the_preflight_reports_the_media_and_refuses_a_model_that_cannot_read_th
     import ray_train_llm_finetune as ft
 
     argv = ["--backend", "cpu", "--num-workers", "1", "--dataset", str(make_media(tmp_path)), "--eval-split", "none",
-            "--storage-path", str(tmp_path / "runs"), "--preflight"]  # fmt: skip
+            "--storage-path", str(tmp_path / "runs"), "--batch-size", "1", "--preflight"]  # fmt: skip
     assert ft.main([*argv, "--model", tiny_assets["model"]]) == 2
     err = capsys.readouterr().err
     assert f"records hold pictures or sound, but --model {tiny_assets['model']} has no processor to read them" in err
@@ -164,7 +164,8 @@ def test_the_preflight_reports_the_media_and_refuses_a_model_that_cannot_read_th
     out = capsys.readouterr().out
     assert "media: 6 records hold 5 pictures (" in out and "and 3 clips (" in out and "modality image+audio" in out
     report = json.loads(out.rsplit("JOB_RESULT_JSON: ", 1)[1])["data_report"]
-    assert report["modality"] == "image+audio" and report["train"]["media"]["audio_tokens"] == 3 * 13
+    media = report["train"]["media"]
+    assert report["modality"] == "image+audio" and media["audio_tokens"] == 13 + 25 + 13  # clips of 0.5 s and 1 s
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +294,7 @@ def test_a_datasets_own_image_and_audio_columns_are_read_as_files_are(media_mode
         return str(tmp_path / name)
 
     argv = ["--backend", "cpu", "--num-workers", "1", "--model", str(model_dir), "--eval-split", "none",
-            "--storage-path", str(tmp_path / "runs"), "--preflight"]  # fmt: skip
+            "--storage-path", str(tmp_path / "runs"), "--batch-size", "1", "--preflight"]  # fmt: skip
     good = write([record(red, "a warm small light")] * 4, "good.parquet")
     assert ft.main([*argv, "--dataset", good]) == 0
     report = json.loads(capsys.readouterr().out.rsplit("JOB_RESULT_JSON: ", 1)[1])["data_report"]
@@ -426,7 +427,7 @@ def test_every_record_form_a_user_writes_is_read(media_model, tmp_path, web, cap
     data = tmp_path / "forms.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in good))
     argv = ["--backend", "cpu", "--num-workers", "1", "--model", str(model_dir), "--eval-split", "none",
-            "--storage-path", str(tmp_path / "runs"), "--preflight"]  # fmt: skip
+            "--storage-path", str(tmp_path / "runs"), "--batch-size", "1", "--preflight"]  # fmt: skip
     assert ft.main([*argv, "--dataset", str(data)]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "5 used" in out and "media: 4 records hold 4 pictures" in out

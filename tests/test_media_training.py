@@ -27,11 +27,39 @@ def media_assets(tmp_path_factory) -> dict:
 def job_settings(assets: dict, world: int, *flags: str):
     """The job's settings for the whole of the media records as one global batch, AdamW at a constant LR."""
     records = sum(1 for _ in open(assets["dataset"]))
-    return settings(assets, "--split", "train", "--eval-split", "none", "--eval-tasks", "none", "--eval-samples", "0",
-                    "--batch-size", str(records // world), "--num-workers", str(world),
-                    "--lr", str(LR), "--lr-schedule", "constant", "--warmup-ratio", "0", "--max-grad-norm", "1.0",
-                    "--weight-decay", "0", "--max-steps", str(STEPS), "--seq-len", "256", "--modality", "image+audio",
-                    *flags)  # fmt: skip
+    return settings(
+        assets,
+        "--split",
+        "train",
+        "--eval-split",
+        "none",
+        "--eval-tasks",
+        "none",
+        "--eval-samples",
+        "0",
+        "--batch-size",
+        str(records // world),
+        "--num-workers",
+        str(world),
+        "--lr",
+        str(LR),
+        "--lr-schedule",
+        "constant",
+        "--warmup-ratio",
+        "0",
+        "--max-grad-norm",
+        "1.0",
+        "--weight-decay",
+        "0",
+        "--max-steps",
+        str(STEPS),
+        "--seq-len",
+        "256",
+        "--modality",
+        "image+audio",
+        "--no-packing",
+        *flags,
+    )  # fmt: skip  (one record a row, as TRL's SFTTrainer batches them)
 
 
 def trl_examples(assets: dict) -> list[dict]:
@@ -266,8 +294,8 @@ def test_trained_towers_train_as_trls_and_a_micro_batch_without_a_clip_still_giv
     media_assets, tmp_path, gloo_rank
 ):  # fmt: skip
     """--train-towers: the same losses and gradient norms as TRL's SFTTrainer with the towers unfrozen; and a
-    micro-batch of one picture gives the audio tower zero gradients, not none (idle_towers: on two ranks whose rows
-    differ, each sends the same parameters' gradients to FSDP's reduce-scatter), its loss unchanged."""
+    micro-batch of one picture gives the audio tower zero gradients, not none (its blank clip, masked: on two ranks
+    whose rows differ, each sends the same parameters' gradients to FSDP's reduce-scatter), its loss unchanged."""
     from data.media_rows import collate_media
     from data.prepare import prepare
     from data.prepared import PreparedRows, local_directory
@@ -289,14 +317,20 @@ def test_trained_towers_train_as_trls_and_a_micro_batch_without_a_clip_still_giv
     trainee, _ = build(config)
     rows = PreparedRows(local_directory(scratch_prepared(config, trainee.tokenizer, prepare)), "train", config.seq_len,
                         trainee.tokenizer.pad_token_id, False)  # fmt: skip
-    one_picture = collate_media([rows[0]])  # the first record: red.png alone
-    assert set(one_picture[4]) == {"pixel_values", "image_position_ids"}
+    one_picture = collate_media([rows[0]])  # the first record: red.png alone, and blanks to the split's most
+    assert set(one_picture[4]) == {"pixel_values", "image_position_ids", "input_features", "input_features_mask"}
+    assert len(one_picture[4]["pixel_values"]) == 2 and not one_picture[4]["input_features_mask"].any()
     loss = trainee.loss(**model_inputs(one_picture, False, "cpu"))
     loss.backward()
     towers = trainee.model.model
     audio = [*towers.audio_tower.parameters(), *towers.embed_audio.parameters()]
     assert all(p.grad is not None and float(p.grad.full_tensor().abs().sum()) == 0 for p in audio)
     assert float(towers.vision_tower.patch_embedder.input_proj.weight.grad.full_tensor().abs().sum()) > 0
+    # a split without clips has no blank clips to give: idle_towers' 0 x a silent clip's output does it
+    no_clips = (*one_picture[:4], {k: v for k, v in one_picture[4].items() if not k.startswith("input_features")})
+    trainee.model.zero_grad(set_to_none=True)
+    trainee.loss(**model_inputs(no_clips, False, "cpu")).backward()
+    assert all(p.grad is not None and float(p.grad.full_tensor().abs().sum()) == 0 for p in audio)
     for tower in tower_modules(trainee.model):  # nothing in the towers trains: no idle pass
         tower.requires_grad_(False)
     assert float(trainee.loss(**model_inputs(one_picture, False, "cpu"))) == pytest.approx(float(loss), abs=1e-6)
@@ -366,7 +400,7 @@ def test_the_held_out_media_records_are_scored_before_and_after_in_the_job(media
 
     config = settings(media_assets, "--split", "train[:4]", "--eval-split", "train[4:6]", "--eval-samples", "0",
                       "--batch-size", "2", "--seq-len", "256", "--epochs", "2", "--lr", "1e-2", "--modality",
-                      "image+audio", "--storage-path", str(tmp_path / "store"))  # fmt: skip
+                      "image+audio", "--storage-path", str(tmp_path / "store"), "--no-packing")  # fmt: skip
     plan = Plan.of(config, None)
     assert plan is not None and plan.media and not plan.named
     assert write_task(config, None, str(tmp_path / "run")) is None

@@ -62,14 +62,26 @@ def media_report(results: list[dict]) -> dict:
             "longest_clip_frames": max(r["longest_clip_frames"] for r in results)}  # fmt: skip
 
 
+BLANK = "blank_"  # a row's blank pictures and clips, which join_media puts after every real one
+
+
 class RecordMedia:
     """A media split's pictures and sound by record (prepare.media_arrays' files): what the towers read for a row,
-    every clip padded to the split's longest (media.json), so that a clip's tensor has one shape all run."""
+    every clip padded to the split's longest (media.json), so that a clip's tensor has one shape all run; and, for a
+    training row, blank pictures and clips up to the most a row of the split holds, so that every batch of the run
+    feeds the towers one shape (TorchTPU compiles a step once a shape: minutes on a slice).
+
+    A blank picture is zeros with every patch position (-1, -1), padding: the vision tower runs on it beside the
+    real ones (each picture attends to its own patches) and its one pooled row, which Gemma 4's pooler always
+    keeps (its clamped positions), is dropped before the soft tokens are placed (training/model.py,
+    image_encodings). A blank clip is silent frames all masked: the audio tower's own mask drops its outputs. Neither
+    changes a loss or a gradient (tests/test_media_shapes.py)."""
 
     def __init__(self, folder: str, chunks: int, chunk_of, index_in_chunk):
         import numpy as np
 
         self.longest = json.loads(open(os.path.join(folder, "media.json")).read())["longest_clip_frames"]
+        self.picture_shape, self.bins = None, None
         self.chunk_of, self.index_in_chunk, self.chunks = chunk_of, index_in_chunk, []
         for i in range(chunks):
             path = os.path.join(folder, f"{i:05d}.%s.npy")
@@ -84,10 +96,46 @@ class RecordMedia:
             arrays["first_clip"] = first_clip
             arrays["first_frame"] = np.concatenate([[0], np.cumsum(arrays["clip_frames"])])
             self.chunks.append(arrays)
+            if len(arrays["pixels"]):
+                self.picture_shape = arrays["pixels"].shape[1:]
+            self.bins = arrays["features"].shape[1]
 
-    def of(self, records: list[int]) -> dict:
+    def blanks(self, images: int, clips: int) -> dict:
+        """Blank pictures and clips (the class docstring), under BLANK's names; {} for none."""
+        import torch
+
+        out = {}
+        if images and self.picture_shape is not None:
+            patches, values = self.picture_shape
+            out[f"{BLANK}pixel_values"] = torch.zeros((images, patches, values), dtype=torch.float32)
+            out[f"{BLANK}image_position_ids"] = torch.full((images, patches, 2), -1, dtype=torch.int64)
+        if clips:
+            out[f"{BLANK}input_features"] = torch.zeros((clips, self.longest, self.bins), dtype=torch.float32)
+            out[f"{BLANK}input_features_mask"] = torch.zeros((clips, self.longest), dtype=torch.bool)
+        return out
+
+    def counts(self) -> tuple:
+        """Each record's pictures and clips (two int arrays by record index)."""
+        import numpy as np
+
+        per_chunk = [(a["images"], a["clips"]) if a is not None else (np.zeros(n, np.int32),) * 2
+                     for a, n in zip(self.chunks, np.bincount(self.chunk_of, minlength=len(self.chunks)), strict=True)]  # fmt: skip
+        return tuple(np.concatenate([c[k] for c in per_chunk]) if per_chunk else np.zeros(0, np.int32) for k in (0, 1))
+
+    def most_a_row(self, rows, offsets) -> tuple[int, int]:
+        """The most pictures and clips a row holds (rows: record indices row after row, cut at offsets)."""
+        import numpy as np
+
+        most = []
+        for per_record in self.counts():
+            sums = np.add.reduceat(per_record[np.asarray(rows)], offsets[:-1]) if len(rows) else np.zeros(1)
+            most.append(int(sums.max(initial=0)))
+        return most[0], most[1]
+
+    def of(self, records: list[int], fixed: tuple[int, int] | None = None) -> dict:
         """The towers' inputs for these records, in order: pixel_values, image_position_ids, input_features,
-        input_features_mask (transformers' names); a record without pictures or clips adds none."""
+        input_features_mask (transformers' names); a record without pictures or clips adds none. `fixed` (a training
+        row's: the most pictures and clips a row of the split holds): blanks up to those counts."""
         import numpy as np
         import torch
 
@@ -117,6 +165,8 @@ class RecordMedia:
         if features:
             out["input_features"] = torch.from_numpy(np.concatenate(features))
             out["input_features_mask"] = torch.from_numpy(np.concatenate(masks))
+        if fixed:
+            out |= self.blanks(fixed[0] - sum(len(p) for p in pixels), fixed[1] - len(features))
         return out
 
     def files(self, record: int) -> list[str]:
@@ -126,10 +176,13 @@ class RecordMedia:
 
 
 def join_media(media: list[dict]) -> dict:
-    """Several rows' towers' inputs as one batch's, in row order (the model fills the soft tokens in that order)."""
+    """Several rows' towers' inputs as one batch's, in row order (the model fills the soft tokens in that order),
+    every row's blanks after every real picture and clip (so a blank's pooled row is past the real ones')."""
     import torch
 
-    return {k: torch.cat([m[k] for m in media if k in m]) for k in {k for m in media for k in m}}
+    names = {k.removeprefix(BLANK) for m in media for k in m}
+    return {k: torch.cat([m[k] for m in media if k in m] + [m[BLANK + k] for m in media if BLANK + k in m])
+            for k in sorted(names)}  # fmt: skip
 
 
 def collate_media(rows: list) -> tuple:

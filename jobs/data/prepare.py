@@ -346,11 +346,11 @@ def write_rows(target: str, split: str, results: list[dict], settings) -> int:
     import numpy as np
 
     lengths = [n for r in results for n in r["lengths"]]
-    media = any(r.get("media") for r in results)  # pictures and sound are not packed: one record a row
+    media = any(r.get("media") for r in results)
+    # (records with pictures and sound are packed as text ones are: each whole in a row, masked from the others,
+    # its towers' inputs in the row's record order: data/media_rows.RecordMedia, training/model.packed_media_masks)
     layout = (
-        pack_rows(lengths, settings.seq_len, settings.seed)
-        if settings.packing and not media
-        else [[i] for i in range(len(lengths))]
+        pack_rows(lengths, settings.seq_len, settings.seed) if settings.packing else [[i] for i in range(len(lengths))]
     )
     offsets = np.zeros(len(layout) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(row) for row in layout])

@@ -66,6 +66,8 @@ class PreparedRows:
         has_media = os.path.exists(os.path.join(folder, "media.json"))
         in_chunk = np.arange(len(self.chunk_of)) - np.repeat(np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
         self.media = RecordMedia(folder, len(counts), self.chunk_of, in_chunk) if has_media else None
+        # a training row's towers' inputs, blanks included: the most pictures and clips any of the split's rows holds
+        self.media_row = self.media.most_a_row(self.rows, self.offsets) if has_media else None
         self.collate = collate_media if has_media else None  # (the DataLoader's: a batch's pictures vary in number)
 
     def __len__(self) -> int:
@@ -85,7 +87,7 @@ class PreparedRows:
             ids, trained = self.record(i)
             records.append((ids, np.where(trained, ids, IGNORE)))
         tensors = row_tensors(records, self.seq_len, self.pad_id, self.packing, self.left)
-        return tensors if self.media is None else (*tensors, self.media.of([int(i) for i in indices]))
+        return tensors if self.media is None else (*tensors, self.media.of([int(i) for i in indices], self.media_row))
 
 
 def data_report(settings, prepared: Prepared, workers: int) -> dict:
@@ -93,10 +95,7 @@ def data_report(settings, prepared: Prepared, workers: int) -> dict:
     global batch."""
     rows, needed = prepared.report["train_rows"], workers * settings.batch_size * settings.grad_accum
     if rows < needed:
-        media = prepared.report.get("modality", "text") != "text"  # (media records are one a row)
-        kind = (
-            "pairs" if settings.objective == "dpo" else "packed rows" if settings.packing and not media else "records"
-        )
+        kind = "pairs" if settings.objective == "dpo" else "packed rows" if settings.packing else "records"
         raise JobInputError(f"{rows} {kind} are fewer than one global batch ({workers} workers x "
                             f"{settings.batch_size} rows x {settings.grad_accum} accumulation = {needed})")  # fmt: skip
     return {
@@ -133,7 +132,7 @@ def print_data_report(report: dict) -> None:
     if media := t.get("media"):
         print(f"media: {media['records']} records hold {media['images']} pictures ({media['image_tokens']:,} soft "
               f"tokens) and {media['clips']} clips ({media['audio_tokens']:,} soft tokens; the longest "
-              f"{media['longest_clip_frames']} frames); modality {report['modality']}; such records are not packed",
+              f"{media['longest_clip_frames']} frames); modality {report['modality']}",
               flush=True)  # fmt: skip
     e = report["eval"]
     print(f"eval: {e['records_used']} held-out records ({report['eval_split']}: {report['eval_records']}, not "

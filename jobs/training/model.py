@@ -59,13 +59,57 @@ def tower_modules(model) -> list:
             if getattr(model.model, name, None) is not None]  # fmt: skip
 
 
+def packed_media_masks(causal_lm, input_ids, position_ids, token_types):
+    """Gemma 4's attention masks for packed rows holding pictures (None when its text config reads them causally):
+    full-attention layers causal, sliding ones causal within the window or bidirectional within a picture, and no
+    token attending to another record's, the record boundaries found from the positions.
+
+    transformers 5.23's own (modeling_gemma4.py, create_masks_for_vision_model) passes the pictures' blocks to
+    create_causal_mask as an or_mask_function, which packed rows call with each token's position in its record
+    (masking_utils.py, packed_sequence_compatibility_function remaps the indices) while the blocks are indexed by
+    the row: a picture in a row's second record then reads the first's blocks, and its soft tokens lose their
+    bidirectional attention (measured on the tiny model: 4.2 apart in the last hidden state). create_causal_mask's
+    own block_sequence_ids argument applies them after the remapping. It applies them after the sliding window too:
+    the same mask while a picture's soft tokens fit in the window (280 at most by default, Gemma 4's window 512)."""
+    from transformers.masking_utils import create_causal_mask, sliding_window_overlay
+    from transformers.models.gemma4.modeling_gemma4 import get_block_sequence_ids_for_mask
+
+    text = causal_lm.config.get_text_config()
+    if text.use_bidirectional_attention != "vision":
+        return None
+    shape = torch.empty((*input_ids.shape, 1), dtype=language_model(causal_lm).embed_tokens.weight.dtype,
+                        device=input_ids.device)  # (its shape, dtype and device are all the masks read)  # fmt: skip
+    blocks = get_block_sequence_ids_for_mask(token_types, device=input_ids.device)
+    return {
+        "full_attention": create_causal_mask(text, shape, None, None, position_ids),
+        "sliding_attention": create_causal_mask(text, shape, None, None, position_ids, block_sequence_ids=blocks,
+                                                and_mask_function=sliding_window_overlay(text.sliding_window)),
+    }  # fmt: skip
+
+
+def image_encodings(model, input_ids, media: dict) -> dict:
+    """`media` with its pictures encoded as the model's own get_image_features encodes them (the vision tower, then
+    its embedder), but without the blank pictures' rows (data/media_rows.RecordMedia): the real pictures come first,
+    so their soft tokens are the first rows, as many as the prompt has image tokens, and each blank's one pooled row
+    is past them. (transformers splits the rows by each picture's real patches, which a blank's pooled row breaks.)
+    The tower's inputs keep the batch's one shape; only the rows kept vary."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    media = dict(media)
+    pixels, positions = media.pop("pixel_values"), media.pop("image_position_ids")
+    encoded = model.vision_tower(pixel_values=pixels, pixel_position_ids=positions)
+    pooled = model.embed_vision(inputs_embeds=encoded.last_hidden_state)
+    soft = int((input_ids == model.config.image_token_id).sum())
+    return media | {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=(pooled[:soft],))}}
+
+
 def idle_towers(model, media: dict):
     """0 x the output of each tower this micro-batch gives nothing to (a rank whose rows hold no picture, say), run on
     a blank input, when the towers train: every trainable weight then has a gradient (zeros) on every rank, as the
     root unit's reduce-scatter needs (each rank sends the same parameters' gradients), and the loss is unchanged.
     The blank picture is one pooling window of patches (one soft token), the blank clip 16 silent frames."""
     zero = torch.zeros((), device=next(model.parameters()).device)
-    if model.vision_tower is not None and "pixel_values" not in media:
+    if model.vision_tower is not None and "pixel_values" not in media and "mm_encoder_outputs" not in media:
         vision = model.config.vision_config
         k, patch = vision.pooling_kernel_size, vision.patch_size
         positions = torch.tensor([[[x, y] for y in range(k) for x in range(k)]], device=zero.device)
@@ -149,6 +193,10 @@ class TokenLoss(torch.nn.Module):
         derives them (1 a picture's, 3 a clip's: processing_utils.create_mm_token_type_ids)."""
         if media:
             media["mm_token_type_ids"] = self.media_token_types(input_ids)
+            if attention_mask is None and position_ids is not None:  # packed rows
+                attention_mask = packed_media_masks(self.causal_lm, input_ids, position_ids, media["mm_token_type_ids"])
+        if "pixel_values" in media:
+            media = image_encodings(self.causal_lm.model, input_ids, media)
         with self.attention_kernels():
             out = self.causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                        use_cache=False, **media)  # fmt: skip

@@ -232,6 +232,16 @@ class Hooks:
     evaluation: object = None  # evaluation.BeforeAfter, or None
 
 
+def input_shapes(batch) -> tuple:
+    """The shapes of what a step feeds the model (its micro-batches' tensors and the towers' inputs), nested as the
+    batch is: two steps of the same shapes run one compiled program."""
+    if isinstance(batch, dict):
+        return tuple((name, input_shapes(value)) for name, value in sorted(batch.items()))
+    if isinstance(batch, (tuple, list)):
+        return tuple(input_shapes(value) for value in batch)
+    return tuple(getattr(batch, "shape", ()))
+
+
 class TrainingRun:
     """The run on this rank: `run(state)` goes from `state` to the last planned step (schedule.total_steps)."""
 
@@ -246,6 +256,7 @@ class TrainingRun:
         self.clock = time.perf_counter()  # training time since the last read of the sums (evals left out)
         self.last = None  # the last step's StepResult
         self.compiled = None  # model.compile_counts at the first step's end
+        self.shape_sets: set = set()
 
     def run(self, state: RunState, epochs: int | None = None) -> RunState:
         """From `state` (resumed_state's) to the last planned step, or the end of epoch `epochs` (for a test); with
@@ -264,7 +275,9 @@ class TrainingRun:
         steps, epoch, settings = self.data.steps, state.epoch, self.settings
         self.data.start(epoch, state.step - epoch * steps)
         self.clock = time.perf_counter()
+        self.shape_sets = set()  # the distinct shapes of what the epoch's steps fed the model (one: one compile)
         for group in micro_batch_groups(self.data.loader, settings.grad_accum):
+            self.shape_sets.add(input_shapes(group))
             notice = stopping.preemption_notice() if settings.sharded_checkpoints else None
             self.last = self.objective.step(self, group, self.schedule.at(state.step), stopping.requested(),
                                             notice is not None)  # fmt: skip
@@ -329,7 +342,7 @@ class TrainingRun:
                    "steps": sums.steps, "lr": self.last.lr, "grad_norm": float(self.last.grad_norm)}  # fmt: skip
         metrics = self.hooks.epoch_metrics(epoch, trained, held_out, sums.seconds) | {
             "step": step, "share": step / self.schedule.total_steps,
-        } | self.recompiles() | sums.means() | {k: v for k, v in held_out.items()
+        } | {"input_shape_sets": len(self.shape_sets)} | self.recompiles() | sums.means() | {k: v for k, v in held_out.items()
                                                                 if k.startswith(("eval_rewards", "eval_logps", "eval_preferred"))}  # fmt: skip
         self.hooks.progress.epoch(metrics)
         state = replace(state, epoch=epoch, history=(*state.history, metrics), epoch_sums=Sums())
