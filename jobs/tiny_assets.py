@@ -361,7 +361,7 @@ def make_media_model(out: Path, seed: int = 0) -> Path:
 # 4: the generation config stops at the end of turn, as Gemma 4's does; 5: the media model and records; 6: the
 # text template renders text parts, and the media records issue 57's forms).
 ASSETS_VERSION = "6"
-MEDIA_COPIES = 12  # make local's media stage: 96 records, packed into 3 global batches of its 2 workers x 4 rows
+MEDIA_COPIES = 12  # make local's media stage: 96 records, packed into 23 rows (2 steps of 2 workers x 4 rows)
 
 
 def make_all(out: Path) -> dict[str, str]:
