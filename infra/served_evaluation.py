@@ -12,7 +12,7 @@ from __future__ import annotations
 import pulumi
 import pulumi.dynamic as dynamic
 
-from infra.config import StackConfig
+from infra.config.stack import StackConfig
 from infra.job_modules import endpoint, eval_tasks
 from infra.resources.raycluster import DASHBOARD_PORT, head_service
 from infra.runner import ray_jobs

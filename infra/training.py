@@ -15,7 +15,7 @@ from dataclasses import asdict
 import pulumi
 import pulumi.dynamic as dynamic
 
-from infra.config import StackConfig
+from infra.config.stack import StackConfig
 from infra.resources.raycluster import DASHBOARD_PORT, head_service
 from infra.runner import ray_jobs
 from infra.runner.resilience import RetryPolicy

@@ -54,7 +54,8 @@ from config.command_line import for_this_machine, from_args, parse_args
 from config.settings import DEFAULT_RUN_PREFIX, FinetuneSettings, check, worker_count
 from data.prepared import data_report, print_data_report, with_modality
 from data.render import load_tokenizer
-from evaluation.before_after import before_after, read_evaluation, write_task
+from evaluation.before_after import before_after, read_evaluation
+from evaluation.heldout_task import write_task
 from runtime.backend import RESOURCES_PER_WORKER, connect_ray, get_backend, worker_print
 from runtime.log_lines import HARMLESS_RAY_LINE, closing_summary, devices_used, epoch_line, one_line, quiet_ray_reports
 from runtime.outcome import exit_code
@@ -170,7 +171,7 @@ def trainer(settings: FinetuneSettings, workers: int, run_name: str, data: str, 
     # polls them, every 2 s by default; a worker lost just after a save would go back one more save.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(REPORT_POLL_S))
     # Its preemption watcher polls Ray's draining nodes every 5 s by default: a notice then reaches the
-    # workers well inside the pods' grace (infra/capacity.py) rather than up to 5 s into it.
+    # workers well inside the pods' grace (infra/cloud/capacity.py) rather than up to 5 s into it.
     os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", str(PREEMPTION_POLL_S))
     return TorchTrainer(
         train_loop_per_worker,

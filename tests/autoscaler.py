@@ -35,7 +35,7 @@ def replica_placements(llm_configs: list[dict]) -> list[tuple[list[dict], str]]:
     import json
     import subprocess
 
-    from infra.local_serving import ROOT, SERVE_PYTHON
+    from infra.serving.rehearsal import ROOT, SERVE_PYTHON
 
     done = subprocess.run([str(SERVE_PYTHON), "-m", "tests.autoscaler"], input=json.dumps(llm_configs), text=True,
                           capture_output=True, cwd=ROOT, timeout=120, env=_quiet_env())  # fmt: skip

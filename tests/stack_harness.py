@@ -115,7 +115,7 @@ def as_cli(raw: dict[str, str], prefix: str = "") -> dict[str, str]:
     """`raw` as the Pulumi CLI hands it to the program: every key Pulumi.yaml declares with a default, and
     the stack does not set, set to that default (../shared/FACTS.md; pulumi/pulumi sdk/go/common/workspace,
     mergeConfig). Every stack test gets its config through here."""
-    from infra.config import declared_keys
+    from infra.config.stack import declared_keys
 
     defaults = {f"{prefix}{k}": wire(d["default"]) for k, d in declared_keys().items() if "default" in d}
     return defaults | {k: v for k, v in raw.items() if v is not None}
@@ -123,8 +123,8 @@ def as_cli(raw: dict[str, str], prefix: str = "") -> dict[str, str]:
 
 def parse_as_cli(raw: dict[str, str], *, stack: str = "v6e", project: str | None = "p", region: str | None = None,
                  zone: str | None = "us-east5-b", has_token: bool = True):  # fmt: skip
-    """infra.config.parse on `raw` with the CLI's defaults applied."""
-    from infra import config
+    """infra.config.stack.parse on `raw` with the CLI's defaults applied."""
+    from infra.config import stack as config
 
     return config.parse(as_cli(raw), stack=stack, project=project, region=region, zone=zone, has_token=has_token)
 

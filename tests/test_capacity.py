@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra.config import ConfigError
+from infra.config.stack import ConfigError
 from tests.stack_harness import parse_as_cli, run_program, stack_config
 
 STACKS, MODES = ("v6e", "tpu7x"), ("standard", "autopilot")
@@ -173,7 +173,7 @@ def test_make_local_prints_the_estimate_of_its_settings_on_a_slice():
     line = local_cost_line(local_config(pricePerChipHour="2"))
     assert line.startswith("no TPU slice here; on v6e 4x4 onDemand, $32.00/h ($2.00 per chip-hour, read from ")
     assert line.endswith("unknown before the run: the size of model "
-                         f"'{local_config().job.model}' (not a Gemma 4 of infra/models.py); until destroy, also "
+                         f"'{local_config().job.model}' (not a Gemma 4 of infra/cloud/models.py); until destroy, also "
                          "GKE's $0.10/h cluster fee (one cluster's is covered by a monthly credit) and the Ray head")  # fmt: skip
 
 

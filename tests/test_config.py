@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from infra import config
-from infra.config import ConfigError
-from infra.config_reader import Reader
-from infra.tpu import GENERATIONS, TpuSlice
+from infra.cloud.tpu import GENERATIONS, TpuSlice
+from infra.config import stack as config
+from infra.config.reader import Reader
+from infra.config.stack import ConfigError
 from tests.stack_harness import as_cli, parse_as_cli, run_program, stack_config
 
 EXPECTED_SLICES = {
@@ -52,7 +52,7 @@ def test_the_jobs_and_the_stack_read_one_tpu_table():
     """The TPU facts live in jobs/runtime/tpu_generations.py; the stack's slice is derived from that same table, and the
     fine-tune's worker count from it agrees with the slice's devices."""
     from config.settings import FinetuneSettings, worker_count
-    from infra import tpu
+    from infra.cloud import tpu
     from infra.job_modules import tpu_generations
 
     assert tpu.GENERATIONS is tpu_generations.GENERATIONS

@@ -15,7 +15,7 @@ from tests.inprocess import build, settings
 def task(tiny_assets, tmp_path):
     """The held-out task of the tiny data's 5 held-out records, written as a run writes it."""
     from data.render import load_tokenizer
-    from evaluation.before_after import write_task
+    from evaluation.heldout_task import write_task
 
     config = settings(tiny_assets, "--eval-limit", "4")
     return config, write_task(config, load_tokenizer(config.tokenizer_ref), str(tmp_path / "run"))
@@ -122,7 +122,8 @@ def test_the_base_answers_as_lm_eval_on_a_directory_whose_config_does_not_stop_a
     lm-eval decodes answers without special tokens, so `until: [<turn|>]` alone never cuts them; the task's
     generate() is given the end of turn's id (render.stop_token_ids)."""
     from data.render import load_tokenizer
-    from evaluation.before_after import HELDOUT_TASKS, TASK, Plan, score, write_task
+    from evaluation.before_after import HELDOUT_TASKS, TASK, Plan, score
+    from evaluation.heldout_task import write_task
     from training.samples import NEW_TOKENS
 
     config = settings({"model": base_without_end_of_turn, "dataset": tiny_assets["dataset"]})
@@ -219,7 +220,7 @@ def test_the_base_is_scored_before_the_first_step_and_a_resume_reads_it_back(tin
 def test_the_walkthrough_and_eval_tasks_none_write_no_task(tiny_assets, tmp_path):
     """The walkthrough's run (no held-out split, no chat template) is unchanged: nothing to score, nothing written."""
     from data.render import load_tokenizer
-    from evaluation.before_after import write_task
+    from evaluation.heldout_task import write_task
 
     tokenizer = load_tokenizer(tiny_assets["model"])
     for flags in (("--recipe", "walkthrough"), ("--eval-tasks", "none")):

@@ -6,18 +6,17 @@ setting that no release reads."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from infra.resources.raycluster import ray_cluster_manifest
 from tests.crd_schema import load_schema, validate
+from tests.schemas import schema_file
 from tests.stack_harness import PROJECT_NUMBER, parse_as_cli, run_program, stack_config
 from tests.test_raycluster import IMAGE, cfg_for
 
 STACKS, MODES = ("v6e", "tpu7x"), ("standard", "autopilot")
-CRDS = Path(__file__).resolve().parents[2] / "shared" / "kuberay-crds"
-KUBERAY = {"v1.7.0": CRDS / "ray.io_rayclusters.yaml", "v1.4.2": CRDS / "v1.4.2" / "ray.io_rayclusters.yaml"}
+KUBERAY = ("v1.7.0", "v1.4.2")
 
 
 def pod_specs(run) -> list[dict]:
@@ -87,7 +86,7 @@ def test_each_capacity_kind_sizes_the_pods_grace_to_what_gke_grants(capacity, mo
 
 
 def test_spot_on_a_control_plane_too_old_for_its_grace_is_refused():
-    from infra.config import ConfigError
+    from infra.config.stack import ConfigError
 
     with pytest.raises(ConfigError, match=r"clusterVersion: '1.34' cannot give Spot pods more than 15 s.*"
                                           r"1\.35\.0-gke\.1171000"):  # fmt: skip
@@ -122,9 +121,7 @@ def test_the_drain_uses_the_flags_of_the_pinned_ray_cli():
 
 @pytest.fixture(scope="module", params=list(KUBERAY))
 def kuberay(request):
-    if not KUBERAY[request.param].exists():
-        pytest.skip(f"KubeRay CRDs not found at {KUBERAY[request.param]} (test data in ../shared/kuberay-crds)")
-    return request.param, load_schema(KUBERAY[request.param])
+    return request.param, load_schema(schema_file(f"rayclusters {request.param}"))
 
 
 @pytest.mark.parametrize("extra", [{}, {"capacity": "spot"}, {"mode": "autopilot"}, {"numSlices": "2"},

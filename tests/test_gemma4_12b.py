@@ -55,7 +55,7 @@ def test_its_pictures_and_sound_are_refused_as_not_built(unified):
 
 
 def test_the_stack_refuses_12b_with_pictures_at_preview():
-    from infra.config import ConfigError
+    from infra.config.stack import ConfigError
     from tests.stack_harness import run_program, stack_config
 
     with pytest.raises(ConfigError, match=r"gemma-tpu:modality: image on google/gemma-4-12B-it: Gemma 4 12B"):

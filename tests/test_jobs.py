@@ -331,8 +331,8 @@ def test_the_readme_runs_export_served_on_cpu_answers_and_scores_as_the_job_did(
     completion, and the held-out tasks through the endpoint (lm-eval's local-completions) equal to the job's own
     scores: the answers' loss within 1e-4, the greedy answers' metrics equal; the same scores from `up`'s served
     evaluation (its provider, submitting rescore.py --endpoint --wait-s to the head). Nothing of the server is left."""
-    from infra import local_serving
     from infra.served_evaluation import _ServedEvaluationProvider
+    from infra.serving import rehearsal as local_serving
     from infra.training import local_target
 
     run_dir = Path(parse_result(by_hand["done"][1].stdout)["checkpoint"]).parent
@@ -368,10 +368,10 @@ def test_the_readme_runs_export_served_on_cpu_answers_and_scores_as_the_job_did(
     assert rows[("heldout_loss", "loss")][1] == pytest.approx(rows[("heldout_loss", "loss")][0], abs=1e-4)
     assert all(run == here for (task, _), (run, here) in rows.items() if task == "heldout"), rows
     assert served["problems"] == [] and any(s.startswith("serving: model-finetuned answers at ") for s in said)
-    assert subprocess.run(["pgrep", "-f", "infra.serve_local"], capture_output=True).stdout == b""
+    assert subprocess.run(["pgrep", "-f", "infra.serving.serve_local"], capture_output=True).stdout == b""
     # the serving head's share, measured: Serve's controller, proxy and the ingress fit the head's limit with room
-    from infra.cpu_node import quantity_mi
-    from infra.serving import SERVE_HEAD_RESOURCES
+    from infra.config.cpu_node import quantity_mi
+    from infra.serving.app import SERVE_HEAD_RESOURCES
 
     head = served["head_memory_mi"]
     assert {"ServeController", "ProxyActor", "OpenAiIngress", "gcs_server", "raylet"} <= set(head), head

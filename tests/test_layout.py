@@ -52,10 +52,10 @@ def test_each_job_module_is_loaded_once_under_one_name():
     """The stack and the jobs share the settings table, the TPU table and the memory plan: one module each, not
     `settings` and `jobs.settings` side by side (two tables)."""
     done = fresh_python(
-        "import sys, infra.config, infra.models, infra.prices, infra.training, ray_train_llm_finetune; "
-        "from config import settings; from runtime import tpu_generations; import infra.tpu; "
+        "import sys, infra.config.stack, infra.cloud.models, infra.prices, infra.training, ray_train_llm_finetune; "
+        "from config import settings; from runtime import tpu_generations; import infra.cloud.tpu; "
         "print(sorted(m for m in sys.modules if m == 'jobs' or m.startswith('jobs.'))); "
-        "print(infra.config.settings is settings, infra.tpu.GENERATIONS is tpu_generations.GENERATIONS)"
+        "print(infra.config.stack.settings is settings, infra.cloud.tpu.GENERATIONS is tpu_generations.GENERATIONS)"
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[:2] == ["[]", "True True"]
@@ -107,10 +107,12 @@ def test_the_length_rule_bites(tmp_path):
 
 # What a stack deployed before the runner moved holds in its state: its dynamic providers, pickled by
 # reference as Pulumi's serialize_provider wrote them at commit 6245840 (infra/training.py and
-# infra/crd_wait.py have not moved, and must not).
+# infra/crd_wait.py have not moved, and must not), and the served evaluation's as written at f26544a, before
+# infra/ became packages (infra/served_evaluation.py stayed at infra/'s top for it).
 DEPLOYED_PROVIDERS = {
     "_TrainingJobsProvider": "gASVLwAAAAAAAACMDmluZnJhLnRyYWluaW5nlIwVX1RyYWluaW5nSm9ic1Byb3ZpZGVylJOUKYGULg==",
     "_CrdEstablishedProvider": "gASVMQAAAAAAAACMDmluZnJhLmNyZF93YWl0lIwXX0NyZEVzdGFibGlzaGVkUHJvdmlkZXKUk5QpgZQu",
+    "_ServedEvaluationProvider": "gASVPAAAAAAAAACMF2luZnJhLnNlcnZlZF9ldmFsdWF0aW9ulIwZX1NlcnZlZEV2YWx1YXRpb25Qcm92aWRlcpSTlCmBlC4=",
 }
 
 

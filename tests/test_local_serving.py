@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from infra.local_serving import ServerNotReady, wait_until_ready
+from infra.serving.rehearsal import ServerNotReady, wait_until_ready
 
 
 @contextmanager
@@ -85,7 +85,7 @@ def test_a_server_that_ends_fails_the_wait_at_once():
 def test_a_served_score_off_by_more_than_the_noise_is_named():
     import infra.job_modules  # noqa: F401
     import rescore
-    from infra.local_serving import SERVED_REL_TOL, served_problems
+    from infra.serving.rehearsal import SERVED_REL_TOL, served_problems
 
     rows = [("heldout", "rouge_l", 0.083008, 0.083008), ("heldout_loss", "loss", 4.479853, 4.479853 + 1e-5)]
     assert served_problems(rows) == []
@@ -101,9 +101,9 @@ def test_a_served_score_off_by_more_than_the_noise_is_named():
 def test_the_rehearsal_serves_the_ray_services_application_on_cpu():
     """The same function, the same app: only what vLLM runs on differs (CPU: fp32 as the job's scores, one CPU
     bundle; TPU: bf16, tensor parallel over the host, its accelerator type)."""
+    from infra.cloud.tpu import serving_hosts
     from infra.job_modules import tpu_generations
-    from infra.serving import ServeConfig, serve_application
-    from infra.tpu import serving_hosts
+    from infra.serving.app import ServeConfig, serve_application
 
     host = serving_hosts(tpu_generations.GENERATIONS["v6e"])[0]
     cpu = serve_application(ServeConfig("finetuned", None, 512, 1, 1, "onDemand", 10), "m", "/run/model")
@@ -148,7 +148,7 @@ def test_an_endpoint_that_never_answers_fails_up_and_sets_the_minimum_replicas_t
     from infra.runner.resilience import FixedToken
     from infra.runner.serve_scaler import without_minimum
     from infra.served_evaluation import score_through_endpoint
-    from infra.serving import ServeConfig, serve_config
+    from infra.serving.app import ServeConfig, serve_config
     from tests.apiserver_standin import FakeRayService, ServiceProxyStandin
 
     declared = yaml.safe_dump(serve_config(ServeConfig("finetuned", None, 512, 1, 2, "onDemand", 1), "m", "/export"),
@@ -199,7 +199,7 @@ def test_the_served_scores_sit_beside_the_jobs_in_the_evaluation_output():
 
 
 def test_serving_a_directory_that_is_not_a_run_says_so_before_anything_starts(tmp_path, capsys):
-    from infra import local_serving
+    from infra.serving import rehearsal as local_serving
 
     with pytest.raises(SystemExit) as ended:
         local_serving.main([str(tmp_path)])
@@ -208,9 +208,9 @@ def test_serving_a_directory_that_is_not_a_run_says_so_before_anything_starts(tm
 
 
 def test_ctrl_c_in_the_by_hand_rehearsal_is_a_line_not_a_traceback(tmp_path, monkeypatch, capsys):
-    """`python -m infra.local_serving RUN` interrupted (its server and Ray are stopped by local_endpoint on the way
+    """`python -m infra.serving.rehearsal RUN` interrupted (its server and Ray are stopped by local_endpoint on the way
     out): one line and the shell's status for Ctrl-C, 130."""
-    from infra import local_serving
+    from infra.serving import rehearsal as local_serving
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")

@@ -350,7 +350,7 @@ def test_a_picture_is_the_one_vllm_serves_and_transformers_processes_whatever_it
     from transformers.image_transforms import convert_to_rgb
 
     from data.media import picture
-    from infra.local_serving import ROOT, SERVE_PYTHON
+    from infra.serving.rehearsal import ROOT, SERVE_PYTHON
 
     rotated = pictures_of_every_mode(tmp_path)
     paths = [str(tmp_path / name) for name in rotated]

@@ -395,7 +395,8 @@ def test_the_held_out_media_records_are_scored_before_and_after_in_the_job(media
     import pyarrow.fs
 
     from data.prepared import with_modality
-    from evaluation.before_after import BeforeAfter, Plan, write_task
+    from evaluation.before_after import BeforeAfter, Plan
+    from evaluation.heldout_task import write_task
     from tests.inprocess import run
 
     config = settings(media_assets, "--split", "train[:4]", "--eval-split", "train[4:6]", "--eval-samples", "0",

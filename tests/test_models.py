@@ -7,8 +7,8 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from infra.models import MODELS, known_model
-from infra.tpu import GENERATIONS, TpuSlice
+from infra.cloud.models import MODELS, known_model
+from infra.cloud.tpu import GENERATIONS, TpuSlice
 from runtime.memory_plan import GIB, HEADROOM, Workload, plan, remedy, shape_of
 
 
@@ -16,7 +16,7 @@ def layer_types(layers: int, every: int) -> list[str]:
     return ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)]
 
 
-# The published text configs (the hub's config.json, as public ports restate them; see infra/models.py).
+# The published text configs (the hub's config.json, as public ports restate them; see infra/cloud/models.py).
 CONFIGS = {
     "E2B": dict(hidden_size=1536, num_hidden_layers=35, intermediate_size=6144, num_attention_heads=8,
                 num_key_value_heads=1, head_dim=256, global_head_dim=512, sliding_window=512,
@@ -34,7 +34,7 @@ CONFIGS = {
                 num_key_value_heads=16, num_global_key_value_heads=4, head_dim=256, global_head_dim=512,
                 sliding_window=1024, hidden_size_per_layer_input=0, attention_k_eq_v=True,
                 layer_types=layer_types(60, 6)),
-    # gemma4_unified (infra/models.py): ggml-org's conversion's shape; K = V and 4 KV heads on the global layers
+    # gemma4_unified (infra/cloud/models.py): ggml-org's conversion's shape; K = V and 4 KV heads on the global layers
     "12B": dict(hidden_size=3840, num_hidden_layers=48, intermediate_size=15360, num_attention_heads=16,
                 num_key_value_heads=8, num_global_key_value_heads=4, head_dim=256, global_head_dim=512,
                 sliding_window=1024, attention_k_eq_v=True, layer_types=layer_types(48, 6)),
@@ -63,7 +63,7 @@ def test_12b_is_the_model_cards_11_95b_and_its_embedders_are_transformers_own():
         Gemma4UnifiedVisionConfig,
     )
 
-    from infra.models import TOWERS
+    from infra.cloud.models import TOWERS
 
     assert round(MODELS["12B"].params / 1e9, 2) == 11.95
     text = CONFIGS["12B"] | {"vocab_size": 262144, "final_logit_softcapping": 30.0}

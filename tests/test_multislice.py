@@ -150,7 +150,7 @@ BAD = {
 
 @pytest.mark.parametrize("case", BAD)
 def test_numslices_is_checked_naming_the_key(case):
-    from infra.config import ConfigError
+    from infra.config.stack import ConfigError
 
     raw, message = BAD[case]
     with pytest.raises(ConfigError, match=None) as err:

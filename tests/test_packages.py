@@ -11,6 +11,10 @@ JOBS = ROOT / "jobs"
 ORDER = ("runtime", "config", "data", "training", "evaluation")  # bottom first; the entry scripts stand above all
 ENTRY_POINTS = {"ray_core_collectives", "ray_train_llm_finetune", "rescore", "tiny_assets"}
 MAX_TOP_MODULES = 10
+# infra/'s floors, bottom first: its packages and the modules at its top (the door to jobs/; the dynamic resources,
+# which stay where deployed stacks pickled them; the prices, which read the config and the components; make local).
+INFRA_ORDER = ("job_modules", "runner", "crd_wait", "cloud", "serving", "config", "resources", "prices", "training",
+               "served_evaluation", "local_run")  # fmt: skip
 
 
 def modules_under(root: Path) -> dict[str, Path]:
@@ -77,9 +81,11 @@ def rank(module: str, order: tuple[str, ...]) -> int:
     return order.index(package) if package in order else len(order)
 
 
-def upward_imports(root: Path, order: tuple[str, ...]) -> list[str]:
-    """Each import of a module in a higher package (or of an entry script) by a module in a package."""
-    graph = import_graph(root)
+def upward_imports(root: Path, order: tuple[str, ...], prefix: str = "") -> list[str]:
+    """Each import of a module in a higher package (or of an entry script) by a module in a package; with a
+    prefix (infra's modules import each other as `infra.x`), the names below it."""
+    graph = {m.removeprefix(prefix): {i.removeprefix(prefix) for i in imports}
+             for m, imports in import_graph(root, prefix).items() if m.startswith(prefix)}  # fmt: skip
     return [f"{m} imports {i} ({i.split('.')[0]} is above {m.split('.')[0]})"
             for m in sorted(graph) if "." in m or m in order
             for i in sorted(graph[m]) if rank(i, order) > rank(m, order)]  # fmt: skip
@@ -95,6 +101,16 @@ def test_no_import_circle_in_jobs_infra_or_bench():
 
 def test_each_package_of_jobs_imports_only_the_packages_below_it():
     assert upward_imports(JOBS, ORDER) == []
+
+
+def test_each_floor_of_infra_imports_only_the_floors_below_it():
+    assert upward_imports(ROOT / "infra", INFRA_ORDER, prefix="infra.") == []
+
+
+def test_the_top_of_infra_holds_at_most_ten_modules_each_a_floor():
+    top = {p.stem for p in (ROOT / "infra").glob("*.py")} - {"__init__"}
+    packages = {p.parent.name for p in (ROOT / "infra").glob("*/__init__.py")}
+    assert len(top) <= MAX_TOP_MODULES and top | packages == set(INFRA_ORDER)
 
 
 def test_a_lower_package_importing_a_higher_one_is_found_and_so_is_a_circle(tmp_path):

@@ -10,9 +10,9 @@ import pytest
 
 from infra.resources.raycluster import RayClusterSpec, ray_cluster_manifest
 from tests.crd_schema import load_schema, validate
+from tests.schemas import schema_file
 from tests.stack_harness import parse_as_cli
 
-CRD_FILE = Path(__file__).resolve().parents[2] / "shared" / "kuberay-crds" / "ray.io_rayclusters.yaml"
 IMAGE = "us-east5-docker.pkg.dev/p/ray-torchtpu/ray-torchtpu@sha256:" + "cd" * 32
 TOKEN_ENV = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-secret", "key": "hf_api_token"}}}
 
@@ -182,11 +182,7 @@ def test_ray_version_is_the_image_pin_and_the_local_one():
 
 @pytest.fixture(scope="module")
 def schema():
-    if not CRD_FILE.exists():
-        pytest.skip(
-            f"KubeRay CRDs not found at {CRD_FILE} (test data in ../shared/kuberay-crds); strict validation skipped"
-        )
-    return load_schema(CRD_FILE)
+    return load_schema(schema_file("rayclusters v1.7.0"))
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)

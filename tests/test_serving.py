@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.config import ConfigError
+from infra.config.stack import ConfigError
 from tests.crd_schema import load_schema, validate
+from tests.schemas import schema_file
 from tests.stack_harness import DIGEST, ROOT, run_program, stack_config
 
-CRDS = Path(__file__).resolve().parents[2] / "shared" / "kuberay-crds"
-KUBERAY = {"v1.7.0": CRDS / "ray.io_rayservices.yaml", "v1.4.2": CRDS / "v1.4.2" / "ray.io_rayservices.yaml"}
+KUBERAY = ("v1.7.0", "v1.4.2")
 RAY_SERVICE, DYNAMIC, POOL = (
     "kubernetes:ray.io/v1:RayService",
     "pulumi-python:dynamic:Resource",
@@ -39,12 +39,12 @@ def _served(stack: str, keys: tuple) -> object:
 
 @functools.cache
 def schema(version: str) -> dict:
-    return load_schema(KUBERAY[version])
+    return load_schema(schema_file(f"rayservices {version}"))
 
 
 def config_of(stack: str = "v6e", **keys: str):
     """The stack's parsed config for `served(stack, **keys)`, as the program reads it."""
-    from infra import config
+    from infra.config import stack as config
 
     raw = {k.split(":", 1)[1]: v for k, v in stack_config(stack, **({"serve": "finetuned"} | keys)).items()
            if k.startswith("gemma-tpu:") and k != "gemma-tpu:hfToken"}  # fmt: skip
@@ -235,7 +235,7 @@ def test_the_serving_pool_is_its_own_single_host_pool_scaled_from_zero():
 def test_the_serving_image_has_gemma4s_jax_path_and_the_vllm_rays_serve_llm_pins():
     from importlib.metadata import requires
 
-    from infra.serving import MIN_TPU_INFERENCE, VLLM_TPU_VERSION
+    from infra.serving.app import MIN_TPU_INFERENCE, VLLM_TPU_VERSION
 
     def version(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split("."))
@@ -253,8 +253,8 @@ def test_the_serving_image_has_gemma4s_jax_path_and_the_vllm_rays_serve_llm_pins
 
 
 def test_the_serving_plan_picks_the_smallest_host_that_holds_each_size():
+    from infra.cloud.models import smallest_serving_host
     from infra.job_modules import tpu_generations
-    from infra.models import smallest_serving_host
 
     v6e, tpu7x = tpu_generations.GENERATIONS["v6e"], tpu_generations.GENERATIONS["tpu7x"]
     shapes = {size: smallest_serving_host(f"google/gemma-4-{size}-it", v6e, 4096).topology
@@ -402,7 +402,7 @@ def test_the_served_scores_and_the_serving_hosts_hours_reach_evaluation_and_cost
 
 
 def test_an_export_that_cannot_be_looked_at_is_refused_naming_the_sign_in(monkeypatch):
-    from infra import serving_checks
+    from infra.config import serving_checks
 
     def unreadable(directory):
         raise OSError("google::cloud::Status(UNAUTHENTICATED)")

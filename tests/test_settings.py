@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import yaml
@@ -14,11 +13,10 @@ import yaml
 from config.command_line import from_args, parse_args, to_argv
 from config.settings import SETTINGS, FinetuneSettings, declared, stack_keys, value_type
 from infra import PULUMI_YAML, ROOT
-from infra.config import ConfigError
-from infra.config_reader import key
+from infra.config.reader import key
+from infra.config.stack import ConfigError
+from tests.schemas import schema_file
 from tests.stack_harness import parse_as_cli
-
-PROJECT_SCHEMA = Path(__file__).resolve().parents[2] / "shared" / "pulumi-schema" / "project.json"
 
 
 def other_value(name: str):
@@ -147,9 +145,9 @@ def test_the_optimizer_takes_the_weight_decay_setting():
 
 
 def test_pulumi_yaml_job_keys_are_current():
-    from infra import pulumi_yaml
+    from infra.config import pulumi_yaml
 
-    assert PULUMI_YAML.read_text() == pulumi_yaml.rendered(), "run: python -m infra.pulumi_yaml"
+    assert PULUMI_YAML.read_text() == pulumi_yaml.rendered(), "run: python -m infra.config.pulumi_yaml"
     assert pulumi_yaml.main(["--check"]) == 0
 
 
@@ -158,10 +156,8 @@ def test_pulumi_yaml_is_a_valid_project_file():
 
     import jsonschema
 
-    if not PROJECT_SCHEMA.exists():
-        pytest.skip(f"Pulumi's project schema not found at {PROJECT_SCHEMA} (test data in ../shared/pulumi-schema)")
     project = yaml.safe_load(PULUMI_YAML.read_text())
-    jsonschema.validate(project, json.loads(PROJECT_SCHEMA.read_text()))
+    jsonschema.validate(project, json.loads(schema_file("pulumi project").read_text()))
 
 
 # YAML 1.2's core schema (yaml.org/spec/1.2.2, 10.3.2), which the Pulumi CLI's Go parser follows: a plain scalar

@@ -161,7 +161,7 @@ def test_a_reservation_keeps_its_slice_unless_told_otherwise():
 
 
 def test_pulumi_config_documents_scale_to_zero():
-    from infra.config import declared_keys
+    from infra.config.stack import declared_keys
 
     keys = declared_keys()
     # no declared default: the CLI would apply it, and a reservation could no longer turn it off (its default)
@@ -406,7 +406,7 @@ def test_the_memory_plan_is_a_preview_output_and_the_walkthroughs_settings_fit()
 def test_31b_at_four_rows_of_4096_tokens_is_told_a_full_fine_tune_that_fits_and_that_one_is_accepted():
     """Neither checkpointing nor one row a device fits on the 4x4; with a 4x8 as well it does. The advice,
     set as the stack keys it names, previews with a plan that fits."""
-    from infra.config import ConfigError
+    from infra.config.stack import ConfigError
 
     with pytest.raises(ConfigError) as err:
         run_program("v6e", stack_config("v6e", model="google/gemma-4-31B-it", seqLen="4096"))
@@ -423,7 +423,7 @@ def test_objective_dpo_previews_with_two_rows_a_pair_in_its_memory_plan_and_pric
     padded rows a pair and the reference pass, and the job is sent --objective dpo with its beta and loss; with
     the walkthrough's Dolly as its data it is refused at preview."""
     from config.command_line import from_args, parse_args
-    from infra.config import ConfigError
+    from infra.config.stack import ConfigError
     from infra.prices import training_minutes
     from tests.stack_harness import parse_as_cli
 
@@ -446,7 +446,7 @@ def test_objective_dpo_previews_with_two_rows_a_pair_in_its_memory_plan_and_pric
 
 
 def test_31b_on_v6e_is_refused_with_its_advice_then_accepted_with_activation_checkpointing():
-    from infra.config import ConfigError
+    from infra.config.stack import ConfigError
 
     with pytest.raises(ConfigError) as err:
         run_program("v6e", stack_config("v6e", model="google/gemma-4-31B-it"))
@@ -476,7 +476,7 @@ def test_31b_on_v6e_is_refused_with_its_advice_then_accepted_with_activation_che
 def test_a_misspelt_key_is_refused_at_preview_naming_the_key_it_meant():
     """`pulumi config set lerningRate 1e-3` reaches the program as gemma-tpu:lerningRate beside the declared
     learningRate's default: refused before any resource, naming learningRate, on both stacks."""
-    from infra.config import ConfigError
+    from infra.config.stack import ConfigError
 
     for stack in ("v6e", "tpu7x"):
         with pytest.raises(ConfigError) as err:
@@ -492,7 +492,7 @@ def test_every_key_the_cli_hands_over_is_read_from_pulumi_config_too(monkeypatch
 
     from pulumi.runtime import config
 
-    from infra.config import project_keys
+    from infra.config.stack import project_keys
 
     monkeypatch.setenv("PULUMI_CONFIG", json.dumps({"gemma-tpu:lerningRate": "1e-3", "gcp:project": "demo"}))
     token = config.CONFIG.set({})
@@ -506,7 +506,7 @@ def test_an_image_and_audio_run_previews_with_its_towers_and_a_size_without_them
     """modality image+audio on v6e: the plan holds the towers (E2B's ~150M + ~300M, bf16, on every device), the
     price the towers' compute at its high end, and the job is sent --modality; 31B (no audio tower) is refused at
     preview naming the sizes that have one; image alone on 31B previews with its ~550M vision tower."""
-    from infra.config import ConfigError
+    from infra.config.stack import ConfigError
 
     text, media = (run_program("v6e", stack_config("v6e", **extra)).outputs
                    for extra in ({}, {"modality": "image+audio"}))  # fmt: skip
@@ -543,6 +543,6 @@ def test_gemma_4_12b_previews_with_its_memory_plan_and_price():
         # (tpu7x has no public price: its estimate asks for pricePerChipHour, as for every size)
         assert out["costEstimate"].get("usd", [1])[0] > 0 and out["costEstimate"]["usd_per_hour"] != 0
     assert out["memoryPlan"]["gathered"] > 0 and out["costEstimate"]["note"].startswith("no public price")
-    from infra.models import CONTEXT_TOKENS, known_model
+    from infra.cloud.models import CONTEXT_TOKENS, known_model
 
     assert known_model("google/gemma-4-12b-it").name == "12B" and CONTEXT_TOKENS["12B"] == 262_144

@@ -68,7 +68,7 @@ def test_a_model_on_gs_an_earlier_runs_export_is_copied_down_once_and_loads(stor
 
     from config.command_line import for_this_machine, from_args, parse_args
     from data.render import load_tokenizer
-    from infra.config_checks import is_model_ref
+    from infra.config.checks import is_model_ref
     from runtime.outcome import JobInputError
     from runtime.storage import gcs, model_directory
     from training.model import load_model

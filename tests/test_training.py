@@ -401,7 +401,7 @@ def test_serialized_provider_loads_in_a_fresh_host(provider):
 
     from pulumi.dynamic.dynamic import serialize_provider
 
-    from infra.config import ROOT
+    from infra.config.stack import ROOT
 
     module, name = provider.split(":")
     blob = serialize_provider(getattr(importlib.import_module(module), name)())

@@ -6,6 +6,6 @@ pulumi.ComponentResource over pure functions that build its inputs and manifests
   Registry repository and the image; kube: the Kubernetes provider; raycluster: the namespace, ServiceAccount,
   Secret, CRD wait and the RayCluster; stop_hook: the TPU pods' preStop hook
 
-Declared in order by __main__.py from one StackConfig (infra/config.py). The dynamic resources (the jobs,
+Declared in order by __main__.py from one StackConfig (infra/config/stack.py). The dynamic resources (the jobs,
 infra/training.py; the CRD wait, infra/crd_wait.py) stay at infra/'s top: deployed stacks hold their paths.
 """

@@ -8,8 +8,8 @@ import pulumi
 import pulumi_gcp as gcp
 
 from infra import PROJECT
-from infra.capacity import CRITICAL_PODS_SHUTDOWN_S, SliceCapacity
-from infra.tpu import TpuSlice
+from infra.cloud.capacity import CRITICAL_PODS_SHUTDOWN_S, SliceCapacity
+from infra.cloud.tpu import TpuSlice
 
 TPU_POOL_NAME = "tpu-multi-host-pool"
 
@@ -105,7 +105,7 @@ def tpu_node_config(pool: TpuPoolArgs) -> dict:
     capacity = pool.capacity
     if capacity.spot:
         # Preempted, the pods get 15 s of the VM's 30 s unless the kubelet's shutdown grace is raised
-        # (infra/capacity.py): raised, the training saves its step and Ray Train moves the run in time.
+        # (infra/cloud/capacity.py): raised, the training saves its step and Ray Train moves the run in time.
         grace = capacity.grace(autopilot=False)
         node["spot"] = True
         node["kubelet_config"] = {

@@ -6,7 +6,6 @@ gs:// URI in the job's arguments (a new run), and an unchanged one changes nothi
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,15 +14,7 @@ import pulumi
 import pulumi_gcp as gcp
 
 from infra import PROJECT
-
-DATASETS_PREFIX = "datasets"
-
-
-def object_name(path: str) -> str:
-    """datasets/<stem>-<sha256, 16 hex>.<suffix>"""
-    file = Path(path)
-    digest = hashlib.sha256(file.read_bytes()).hexdigest()[:16]
-    return f"{DATASETS_PREFIX}/{file.stem}-{digest}{file.suffix}"
+from infra.config.job import object_name
 
 
 def records_in(path: str) -> int | None:
@@ -40,16 +31,6 @@ def records_in(path: str) -> int | None:
             return None  # the job names what is wrong with it
         return len(records) if isinstance(records, list) else None
     return None
-
-
-def dataset_ref(dataset: str, dataset_file: str, bucket_name: str | None) -> str:
-    """What the fine-tune reads: `dataset`, or `dataset_file` uploaded to `bucket_name` (None: read in
-    place, as local mode does)."""
-    if not dataset_file:
-        return dataset
-    if bucket_name is None:
-        return dataset_file
-    return f"gs://{bucket_name}/{object_name(dataset_file)}"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,10 +10,10 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra import PROJECT, ROOT
-from infra.capacity import HEAD_RESOURCES, RAY_SHUTDOWN_DRAIN_S, SliceCapacity
+from infra.cloud.capacity import HEAD_RESOURCES, RAY_SHUTDOWN_DRAIN_S, SliceCapacity
+from infra.cloud.tpu import TpuSlice
 from infra.crd_wait import CrdEstablished
 from infra.resources.stop_hook import command as stop_hook
-from infra.tpu import TpuSlice
 
 RAYCLUSTER_CRD = "rayclusters.ray.io"
 API_VERSION, KIND = "ray.io/v1", "RayCluster"
@@ -103,7 +103,7 @@ def torch_tpu_env(cluster: RayClusterSpec) -> list[dict]:
 
 def termination(cluster: RayClusterSpec) -> tuple[dict, dict]:
     """A TPU worker's (container fields, pod fields) for its end, sized to what its capacity grants
-    (infra/capacity.py): the preStop hook drains the pod's Ray node (infra/resources/stop_hook.py) and `ray start`,
+    (infra/cloud/capacity.py): the preStop hook drains the pod's Ray node (infra/resources/stop_hook.py) and `ray start`,
     which gets SIGTERM after it, finds the node drained and waits at most RAY_SHUTDOWN_DRAIN_S more."""
     grace = cluster.capacity.grace(cluster.autopilot)
     container = {

@@ -13,9 +13,10 @@ import pulumi_kubernetes as k8s
 import yaml
 
 from infra import PROJECT
+from infra.config.serving_checks import served_as_run_read
 from infra.resources.kube import credentials_command
 from infra.resources.raycluster import API_VERSION, HEAD_PORTS, TOKEN_KEY, TOKEN_SECRET, ray_version
-from infra.serving import (
+from infra.serving.app import (
     SERVE_HEAD_CPUS,
     SERVE_HEAD_RESOURCES,
     SERVE_PORT,
@@ -23,7 +24,6 @@ from infra.serving import (
     serve_config,
     served_model_name,
 )
-from infra.serving_checks import served_as_run_read
 
 KIND = "RayService"
 SERVE_POOL_NAME = "tpu-serve-pool"

@@ -1,7 +1,7 @@
 """The TPU worker containers' preStop hook: drain this pod's Ray node, so that Ray Train saves and moves the run.
 
 Kubernetes runs it when the pod is to go (a Spot preemption, a scale-down, a deleted pod), before it sends
-SIGTERM to the container's PID 1, `ray start --block`, and inside the pod's grace period (infra/capacity.py
+SIGTERM to the container's PID 1, `ray start --block`, and inside the pod's grace period (infra/cloud/capacity.py
 sizes both per capacity kind). KubeRay adds no hook of its own (ray-project/kuberay#5004). The hook:
 
 1. finds this pod's raylet (the process started from Ray's `raylet` binary under the container's init,

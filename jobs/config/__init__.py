@@ -7,5 +7,5 @@
 - data_formats, splits: the record formats, file types and default splits; the `datasets` split grammar
 - eval_tasks: --eval-tasks parsed and checked against the installed lm-eval's task index
 
-Torch-free: the stack (infra/config.py, infra/job_config.py, infra/pulumi_yaml.py) imports it at preview.
+Torch-free: the stack (infra/config/stack.py, infra/config/job.py, infra/config/pulumi_yaml.py) imports it at preview.
 """

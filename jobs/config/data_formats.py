@@ -1,6 +1,6 @@
 """What data the fine-tune reads: file types, record formats, overlong records, the default splits.
 
-Standard library only: the stack's config (infra/config.py) and cost estimate (infra/prices.py) check and
+Standard library only: the stack's config (infra/config/stack.py) and cost estimate (infra/prices.py) check and
 count against these same facts before anything runs.
 """
 

@@ -8,7 +8,7 @@ the job's alone), and, for the ones a --recipe decides, each recipe's value. Fro
   stack's job resource sends);
 - its checks, one function (`problems`), which the stack also runs at preview on the settings it will send,
   so a value the job would refuse is refused before any resource exists, in the stack's words;
-- Pulumi.yaml's job keys (`python -m infra.pulumi_yaml` writes them; a test checks the file is current).
+- Pulumi.yaml's job keys (`python -m infra.config.pulumi_yaml` writes them; a test checks the file is current).
 
 Adding a setting to the job and the stack is one field here and the regenerated Pulumi.yaml. Torch-free and
 Ray-free: the stack imports it (infra/job_modules.py).

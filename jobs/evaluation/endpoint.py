@@ -1,5 +1,5 @@
 """An OpenAI-compatible endpoint, waited for and asked: the wait that `up`'s served evaluation (rescore.py
---endpoint --wait-s, a job on the training cluster) and make local's rehearsal (infra/local_serving.py) share.
+--endpoint --wait-s, a job on the training cluster) and make local's rehearsal (infra/serving/rehearsal.py) share.
 Standard library only: it runs wherever the scoring does.
 """
 

@@ -1,6 +1,6 @@
 """How much device memory a fine-tune needs: one estimate, in one function (`plan`).
 
-No imports beyond the standard library: the stack runs it at preview (infra/models.py holds the
+No imports beyond the standard library: the stack runs it at preview (infra/cloud/models.py holds the
 Gemma 4 rows), and the job runs it on the model it loaded, to print next to what it measured.
 
 Assumptions, per device, in bytes (w: bytes per parameter of the compute dtype, 2 for bf16):

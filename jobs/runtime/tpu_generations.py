@@ -1,5 +1,5 @@
 """TPU generations: one typed row each, every fact about a generation written once (xpk's system
-characteristics). The stack derives its node pools, pod sizes, labels and names from a row (infra/tpu.py);
+characteristics). The stack derives its node pools, pod sizes, labels and names from a row (infra/cloud/tpu.py);
 the jobs, which travel without the stack, read the same rows for their devices, slices and peak FLOP/s.
 Torch-free and Ray-free.
 """

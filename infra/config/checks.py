@@ -1,7 +1,7 @@
 """The stack's own checks, one per concern (the mode and the place, the TPU slice and its count, the capacity,
 versions, names, the bucket, the data file, what the memory plan says); each adds what it finds wrong to the
 reader's problems, so every problem is reported together. The job's settings are checked by the job's own
-rules (infra/job_config.py).
+rules (infra/config/job.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import urllib.parse
 from pathlib import Path
 
 from infra import ROOT
-from infra.capacity import (
+from infra.cloud.capacity import (
     CAPACITIES,
     FLEX_START_MAX_RUN_MINUTES,
     FLEX_START_MIN_GKE,
@@ -21,9 +21,9 @@ from infra.capacity import (
     SPOT_GRACE_MIN_GKE,
     flex_start_run_minutes,
 )
-from infra.config_reader import Reader, key, parse_version, version_at_least
+from infra.cloud.tpu import GENERATIONS, TpuSlice, is_topology
+from infra.config.reader import Reader, key, parse_version, version_at_least
 from infra.job_modules import data_formats, modality
-from infra.tpu import GENERATIONS, TpuSlice, is_topology
 
 MODES = ("standard", "autopilot", "local")
 GKE_MODES = ("standard", "autopilot")
@@ -193,7 +193,7 @@ def flex_start(
 
 
 def spot_grace(r: Reader, capacity: str, mode: str, version: str) -> None:
-    """A Standard Spot pool raises its kubelet's shutdown grace (infra/capacity.py), which GKE allows from a
+    """A Standard Spot pool raises its kubelet's shutdown grace (infra/cloud/capacity.py), which GKE allows from a
     given control-plane version: older, a preempted pod would get 15 s, too few to save a step."""
     if capacity == "spot" and mode == "standard" and parse_version(version) is not None:
         if not version_at_least(version, SPOT_GRACE_MIN_GKE):
@@ -268,7 +268,7 @@ def dataset_file(r: Reader) -> str:
 
 def memory(r: Reader, tpu_slice: TpuSlice, job) -> None:
     """A Gemma 4 size the table knows must fit the slice's device memory, or the preview names what would."""
-    from infra.models import memory_plan, memory_remedy
+    from infra.cloud.models import memory_plan, memory_remedy
 
     needed = memory_plan(job, tpu_slice)
     if needed is None or needed.fits:
@@ -285,7 +285,7 @@ def memory(r: Reader, tpu_slice: TpuSlice, job) -> None:
 
 def towers(r: Reader, job) -> None:
     """A modality that needs a tower the model's size lacks (a size the table knows) is refused at preview."""
-    from infra.models import TOWERS, known_model, missing_towers
+    from infra.cloud.models import TOWERS, known_model, missing_towers
 
     size = known_model(job.model)
     unbuilt = modality.UNBUILT.get(TOWERS[size.name].model_type) if size is not None else None

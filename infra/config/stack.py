@@ -2,8 +2,8 @@
 
 Keys, types and defaults live in Pulumi.yaml's `config:` block (so `pulumi config` documents them; the
 fine-tune's keys there are written from the job's own declarations, jobs/config/settings.py). `parse` reads the raw
-strings (infra/config_reader.py), runs the stack's checks (infra/config_checks.py) and the job's (through
-infra/job_config.py), and builds one StackConfig; every problem found is reported together.
+strings (infra/config/reader.py), runs the stack's checks (infra/config/checks.py) and the job's (through
+infra/config/job.py), and builds one StackConfig; every problem found is reported together.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from infra import PROJECT, ROOT, cpu_node, serving_checks
-from infra import config_checks as checks
-from infra.capacity import SliceCapacity, flex_start_run_minutes
-from infra.config_reader import ConfigError, Reader, declared_keys, key, secret_keys
-from infra.job_config import job_settings
+from infra import PROJECT, ROOT
+from infra.cloud.capacity import SliceCapacity, flex_start_run_minutes
+from infra.cloud.tpu import TpuSlice
+from infra.config import checks, cpu_node, serving_checks
+from infra.config.job import job_settings
+from infra.config.reader import ConfigError, Reader, declared_keys, key, secret_keys
 from infra.job_modules import settings
-from infra.serving import ServeConfig
-from infra.tpu import TpuSlice
+from infra.serving.app import ServeConfig
 
 __all__ = ["ConfigError", "StackConfig", "key", "load", "parse"]
 

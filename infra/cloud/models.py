@@ -133,7 +133,7 @@ def memory_plan(job, tpu_slice) -> MemoryPlan | None:
 
 def memory_remedy(job, tpu_slice) -> str | None:
     """The first setting that makes the plan fit (memory_plan.remedy's order), or None."""
-    from infra.tpu import TpuSlice
+    from infra.cloud.tpu import TpuSlice
 
     generation = tpu_slice.generation
     devices = {t: TpuSlice(generation, t).devices for t in generation.topologies}
@@ -146,7 +146,7 @@ def memory_plan_output(job, tpu_slice, num_slices: int = 1) -> dict:
     The model is sharded over one slice's devices whatever the number of slices (each holds a replica)."""
     planned = memory_plan(job, tpu_slice) if tpu_slice is not None else None
     if planned is None:
-        return {"model": job.model, "plan": "none at preview: not a Gemma 4 size of infra/models.py; the job "
+        return {"model": job.model, "plan": "none at preview: not a Gemma 4 size of infra/cloud/models.py; the job "
                 "prints its plan from the model's config.json (memory_plan_gib, each epoch)"}  # fmt: skip
     towers = {"modality": job.modality}
     if job.modality == "auto":
@@ -158,7 +158,7 @@ def memory_plan_output(job, tpu_slice, num_slices: int = 1) -> dict:
 
 
 def serving_plan(model_ref: str, host, max_model_len: int) -> MemoryPlan | None:
-    """Serving's plan per device on a ServingHost (infra/tpu.py) for a size the table knows; None for another."""
+    """Serving's plan per device on a ServingHost (infra/cloud/tpu.py) for a size the table knows; None for another."""
     model = known_model(model_ref)
     return None if model is None else plans.serving_plan(model, host.devices, max_model_len, host.hbm_gib_per_device)
 
@@ -166,7 +166,7 @@ def serving_plan(model_ref: str, host, max_model_len: int) -> MemoryPlan | None:
 def smallest_serving_host(model_ref: str, generation, max_model_len: int):
     """The smallest single-host shape of `generation` whose serving plan fits (the first, for a model the table
     does not know); None when none does."""
-    from infra.tpu import serving_hosts
+    from infra.cloud.tpu import serving_hosts
 
     hosts = serving_hosts(generation)
     fitting = [h for h in hosts if (p := serving_plan(model_ref, h, max_model_len)) is None or p.fits]

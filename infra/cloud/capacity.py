@@ -23,7 +23,7 @@ RESERVATION = re.compile(
 
 
 # The Ray head pod beside the slice: the RayCluster's requests and limits (infra/resources/raycluster.py), and the
-# bound of headCpus, the CPUs of it Ray may use (infra/config.py).
+# bound of headCpus, the CPUs of it Ray may use (infra/config/stack.py).
 HEAD_RESOURCES = {"cpu": "4", "memory": "16Gi"}
 
 # How long a TPU pod has between the notice that it goes and SIGKILL (GKE's Spot VMs page,
