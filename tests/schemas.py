@@ -35,25 +35,26 @@ class Schema:
     sha256: str  # of its bytes; of its parsed JSON (sorted keys, compact) for a .json file
 
 
-def kuberay(tag: str, kind: str, shared_dir: str) -> Schema:
-    file = f"ray.io_{kind}.yaml"
-    return Schema(f"kuberay-crds/{shared_dir}{file}", KUBERAY_BASES.format(tag=tag, file=file), SHA256[tag, kind])
-
-
-SHA256 = {
+# KubeRay's CRDs by (tag, kind): the digest of each file; v1.7.0's lie at the folder's top, older tags below their own.
+KUBERAY_SHA256 = {
     ("v1.7.0", "rayclusters"): "c44704442eef0c6721ad40c1d66782c8bd3fdab9d3344306a5820910a679baa1",
     ("v1.7.0", "rayservices"): "0a8fc325e6e22b9231c1f282b309555e2ecf94227ca20a03df3d1d9a403907ab",
     ("v1.4.2", "rayclusters"): "84af0b910190ef0875581b7433f9e33bc86086a04c2039dd743f965f00fb364b",
     ("v1.4.2", "rayservices"): "57d824665599f3ba338c897d714d46a552401c523d684f377a95faaf779e7daf",
 }
-SCHEMAS = {
-    "rayclusters v1.7.0": kuberay("v1.7.0", "rayclusters", ""),
-    "rayservices v1.7.0": kuberay("v1.7.0", "rayservices", ""),
-    "rayclusters v1.4.2": kuberay("v1.4.2", "rayclusters", "v1.4.2/"),
-    "rayservices v1.4.2": kuberay("v1.4.2", "rayservices", "v1.4.2/"),
-    "pulumi project": Schema(
-        "pulumi-schema/project.json", PULUMI_SCHEMA, "15a0e225410aa4c6494679bff67fd22aaee388e4d2597c59b8db9da8aee354d6"
-    ),
+# what the stack's manifests must satisfy, newest first (GKE's Ray add-on may run the older)
+KUBERAY_TAGS = tuple(dict.fromkeys(tag for tag, _ in KUBERAY_SHA256))
+PULUMI_SHA256 = "15a0e225410aa4c6494679bff67fd22aaee388e4d2597c59b8db9da8aee354d6"
+
+
+def kuberay(tag: str, kind: str) -> Schema:
+    file = f"ray.io_{kind}.yaml"
+    folder = "kuberay-crds/" + ("" if tag == KUBERAY_TAGS[0] else f"{tag}/")
+    return Schema(folder + file, KUBERAY_BASES.format(tag=tag, file=file), KUBERAY_SHA256[tag, kind])
+
+
+SCHEMAS = {f"{kind} {tag}": kuberay(tag, kind) for tag, kind in KUBERAY_SHA256} | {
+    "pulumi project": Schema("pulumi-schema/project.json", PULUMI_SCHEMA, PULUMI_SHA256)
 }
 
 

@@ -11,12 +11,12 @@ import pytest
 
 from infra.resources.raycluster import ray_cluster_manifest
 from tests.crd_schema import load_schema, validate
+from tests.schemas import KUBERAY_TAGS as KUBERAY
 from tests.schemas import schema_file
 from tests.stack_harness import PROJECT_NUMBER, parse_as_cli, run_program, stack_config
 from tests.test_raycluster import IMAGE, cfg_for
 
 STACKS, MODES = ("v6e", "tpu7x"), ("standard", "autopilot")
-KUBERAY = ("v1.7.0", "v1.4.2")
 
 
 def pod_specs(run) -> list[dict]:

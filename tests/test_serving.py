@@ -14,10 +14,10 @@ import yaml
 
 from infra.config.stack import ConfigError
 from tests.crd_schema import load_schema, validate
+from tests.schemas import KUBERAY_TAGS as KUBERAY
 from tests.schemas import schema_file
 from tests.stack_harness import DIGEST, ROOT, run_program, stack_config
 
-KUBERAY = ("v1.7.0", "v1.4.2")
 RAY_SERVICE, DYNAMIC, POOL = (
     "kubernetes:ray.io/v1:RayService",
     "pulumi-python:dynamic:Resource",
