@@ -143,3 +143,16 @@ def row_log_probs(hidden, weight, labels, softcap: float | None, chunk: int = 0)
         picked = log_probs.gather(1, torch.where(kept, targets, 0)[:, None])[:, 0] * kept
         return torch.zeros(rows, dtype=torch.float32, device=h.device).index_add(0, row_of, picked)
     return _row_logps_class().apply(h, weight, targets, row_of, rows, softcap, chunk)
+
+
+def token_log_probs(hidden, weight, labels, softcap: float | None, temperature: float = 1.0):
+    """Each position's log p(label) under softcap(logits) / temperature ([rows, seq - 1], 0 where the label is
+    IGNORE): GRPO's per-token log-probabilities, scaled as TRL scales them (trl 1.16.0, kernels/chunked_logprob.py:
+    the soft-cap, then the temperature). The logits of every position at once, through autograd."""
+    import torch
+
+    targets = labels[:, 1:]
+    kept = targets != IGNORE
+    logits = capped_logits(hidden[:, :-1], weight, softcap) / temperature
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, torch.where(kept, targets, 0)[..., None])[..., 0]
+    return picked * kept

@@ -27,7 +27,7 @@ from data.render import load_tokenizer, stop_token_ids
 from runtime import torch_tpu_api
 from runtime.memory_plan import TOWER_MODULES, ModelShape, shape_of
 from training.checkpoints import is_sharded
-from training.chunked_loss import row_log_probs
+from training.chunked_loss import row_log_probs, token_log_probs
 from training.lora import TARGET_PATTERN
 from training.recipe import token_loss_sum
 
@@ -187,8 +187,10 @@ class TokenLoss(torch.nn.Module):
         self.causal_lm, self.loss_chunk, self.attention_kernels = causal_lm, loss_chunk, attention_kernels
         self.softcap = causal_lm.config.get_text_config().final_logit_softcapping
 
-    def forward(self, input_ids, labels, attention_mask=None, position_ids=None, per_row: bool = False, **media):
-        """The token losses' sum; `per_row`: each row's sum of log p(label) instead (DPO's, dpo.py). `media`: the
+    def forward(self, input_ids, labels, attention_mask=None, position_ids=None, per_row: bool = False,
+                temperature: float | None = None, **media):  # fmt: skip
+        """The token losses' sum; `per_row`: each row's sum of log p(label) instead (DPO's, dpo.py); `temperature`:
+        each position's log p(label) at that temperature (GRPO's, grpo.py). `media`: the
         towers' inputs (prepared.RecordMedia.of), the soft tokens' types derived from the ids as the processor
         derives them (1 a picture's, 3 a clip's: processing_utils.create_mm_token_type_ids)."""
         if media:
@@ -200,6 +202,9 @@ class TokenLoss(torch.nn.Module):
         with self.attention_kernels():
             out = self.causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                        use_cache=False, **media)  # fmt: skip
+        if temperature is not None:
+            return token_log_probs(out.last_hidden_state, self.causal_lm.lm_head.weight, labels, self.softcap,
+                                   temperature)  # fmt: skip
         if per_row:
             return row_log_probs(out.last_hidden_state, self.causal_lm.lm_head.weight, labels, self.softcap,
                                  self.loss_chunk)  # fmt: skip

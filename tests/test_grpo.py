@@ -1,0 +1,266 @@
+"""GRPO (jobs/training/grpo.py, jobs/training/rewards.py): the advantages, the loss and its gradient as TRL's
+GRPOTrainer (trl 1.16.0) computes them on the tiny model, for every loss type, beta 0 and > 0, on one rank and on
+two; the built-in rewards; bad reward functions named with the record they failed on."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.inprocess import build, settings
+
+STEPS, GENERATIONS, MAX_COMPLETION, TEMPERATURE, LR = 3, 4, 12, 0.7, 1e-3
+# Each prompt's four completions, fixed (TRL is given them through its rollout_func), in the tiny tokenizer's words:
+# some right, some naming water (the second reward), one group all wrong (zero spread: advantage 0), one cut at
+# MAX_COMPLETION tokens.
+PROBLEMS = [
+    ("What is cold?", "glaciers", ["glaciers", "rivers", "Glaciers", "the water is cold"]),
+    (
+        "What is warm?",
+        "deserts",
+        ["deserts", "the deserts are warm and the water is warm and the light is warm", "water", "deserts"],
+    ),
+    ("Name a small thing.", "bees", ["bees", "comets", "bees .", "chess"]),
+    ("What is large?", "volcanoes", ["rivers", "tides", "light", "time"]),
+]
+
+
+def records() -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": q}], "answer": a} for q, a, _ in PROBLEMS]
+
+
+def token_ids(tokenizer) -> dict[str, tuple[list[int], list[list[int]]]]:
+    """Each prompt's ids (the chat template with its generation prompt) and its completions' (the end of turn
+    after each, cut at MAX_COMPLETION), by the prompt's text."""
+    from data.render import stop_token_ids
+
+    end = stop_token_ids(tokenizer)[0]
+    out = {}
+    for question, _, answers in PROBLEMS:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+        completions = [(tokenizer.encode(a, add_special_tokens=False) + [end])[:MAX_COMPLETION] for a in answers]
+        out[question] = (tokenizer.encode(text, add_special_tokens=False), completions)
+    return out
+
+
+def reward_specs():
+    from training.rewards import load_reward
+
+    return [load_reward("answer_match"), load_reward(r"regex:\bwater\b")], [1.0, 0.5]
+
+
+def trl_run(model_dir: str, out, loss: str, beta: float) -> tuple[list[dict], list[list[str]]]:
+    """TRL's GRPOTrainer for STEPS steps of 2 prompts x GENERATIONS completions: each step's exact loss (TRL logs
+    it rounded), its logged gradient norm, reward and KL, and the prompts it drew."""
+    import os
+
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from data.render import load_tokenizer
+    from training.model import freeze_per_layer_embeddings, load_model
+
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"  # (rollout_func is experimental in 1.16)
+    tokenizer = load_tokenizer(model_dir)
+    ids, drawn, losses = token_ids(tokenizer), [], []
+
+    def rollout(prompts: list, trainer) -> dict:
+        """The fixed completions of the prompts TRL drew (each repeated GENERATIONS times, in order)."""
+        questions = [p[0]["content"] for p in prompts]
+        drawn.append(questions[::GENERATIONS])
+        rows = [(ids[q][0], ids[q][1][i % GENERATIONS]) for i, q in enumerate(questions)]
+        return {"prompt_ids": [p for p, _ in rows], "completion_ids": [c for _, c in rows],
+                "logprobs": [[0.0] * len(c) for _, c in rows]}  # fmt: skip
+
+    model = load_model(model_dir, "float32")
+    freeze_per_layer_embeddings(model)
+    rewards, weights = reward_specs()
+    config = GRPOConfig(output_dir=str(out), per_device_train_batch_size=2 * GENERATIONS,
+                        num_generations=GENERATIONS, max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE,
+                        beta=beta, loss_type=loss, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+                        max_grad_norm=1.0, weight_decay=0.0, max_steps=STEPS, logging_steps=1, report_to=[],
+                        use_cpu=True, save_strategy="no", seed=0, bf16=False, reward_weights=weights)  # fmt: skip
+    trainer = GRPOTrainer(model=model, reward_funcs=[r.function for r in rewards], args=config,
+                          train_dataset=Dataset.from_list(records()), processing_class=tokenizer,
+                          rollout_func=rollout)  # fmt: skip
+    compute_loss = trainer.compute_loss
+
+    def recorded(*args, **kwargs):
+        value = compute_loss(*args, **kwargs)
+        losses.append(float(value.detach()))
+        return value
+
+    trainer.compute_loss = recorded
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "grad_norm" in h][:STEPS]
+    return [{"loss": v} | {k: h[k] for k in ("grad_norm", "reward", "kl") if k in h}
+            for v, h in zip(losses, logged, strict=True)], drawn  # fmt: skip
+
+
+def our_steps(assets: dict, loss: str, beta: float, drawn: list[list[str]], rank: int = 0, world: int = 1):
+    """The job's GRPO step on the same completions: this rank's share of each step's groups."""
+    import torch
+    import torch.distributed as dist
+
+    from training.grpo import GrpoLoss, advantages, completion_log_probs, grpo_rows, grpo_step
+    from training.rewards import score
+
+    config = settings(assets, "--lr", str(LR), "--lr-schedule", "constant", "--warmup-ratio", "0",
+                      "--max-grad-norm", "1.0", "--weight-decay", "0", "--num-workers", str(world))  # fmt: skip
+    trainee, optimizer = build(config, world)
+    reference = build(config, world)[0].loss  # the starting weights, frozen
+    tokenizer, ids = trainee.tokenizer, token_ids(trainee.tokenizer)
+    answers = {q: a for q, a, _ in PROBLEMS}
+    knobs = GrpoLoss(loss_type=loss, beta=beta, max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE)
+    rewards, weights = reward_specs()
+    out = []
+    for questions in drawn:
+        rows = [(q, ids[q][0], c) for q in questions for c in ids[q][1]]
+        completions = [[{"role": "assistant", "content": tokenizer.decode(c, skip_special_tokens=True)}]
+                       for _, _, c in rows]  # fmt: skip
+        table = score(rewards, [[{"role": "user", "content": q}] for q, _, _ in rows], completions,
+                      [c for _, _, c in rows], {"answer": [answers[q] for q, _, _ in rows]}, len(out),
+                      [q for q, _, _ in rows])  # fmt: skip
+        advantage, reward, _ = advantages(table, weights, GENERATIONS)
+        share = slice(rank * len(rows) // world, (rank + 1) * len(rows) // world)
+        batch = grpo_rows([p for _, p, _ in rows[share]], [c for _, _, c in rows[share]], tokenizer.pad_token_id)
+        batch["advantages"] = advantage[share].numpy()
+        if reference is not None:
+            with torch.no_grad():
+                tensors = {k: torch.as_tensor(v) for k, v in batch.items()}
+                batch["ref_logps"] = completion_log_probs(reference, tensors, TEMPERATURE).numpy()
+        result = grpo_step(trainee.loss, optimizer, [batch], LR, 1.0, knobs, torch.device("cpu"))
+        values = torch.cat([result.loss_sum.reshape(1), result.metric_sums]).double()
+        if world > 1:
+            dist.all_reduce(values)
+        out.append({"loss": float(values[0]), "grad_norm": float(result.grad_norm),
+                    "reward": float(torch.nanmean(reward))}
+                   | ({"kl": float(values[1]) / result.counts[1]} if beta else {}))  # fmt: skip
+    return out
+
+
+def _grpo_rank_main(rank: int, world: int, rendezvous: str, assets: dict, cases: list, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from tests.inprocess import _join
+
+    _join(rank, world, rendezvous)
+    try:
+        steps = [our_steps(assets, loss, beta, drawn, rank, world) for loss, beta, drawn in cases]
+        if rank == 0:
+            torch.save(steps, out)
+    finally:
+        dist.destroy_process_group()
+
+
+CASES = [(loss, beta) for loss in ("dapo", "grpo", "dr_grpo", "bnpo") for beta in (0.0, 0.2)]
+
+
+@pytest.fixture(scope="module")
+def trl_steps(tiny_assets, tmp_path_factory) -> dict:
+    """TRL's runs, one for each loss type and beta."""
+    return {case: trl_run(tiny_assets["model"], tmp_path_factory.mktemp("trl"), *case) for case in CASES}
+
+
+def assert_equal(ours: list[dict], theirs: list[dict], case) -> None:
+    assert len(ours) == len(theirs) == STEPS
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert set(a) == set(b), (case, step, a, b)
+        for name in a:
+            assert a[name] == pytest.approx(b[name], abs=1e-4, rel=1e-4), (case, step, name, a[name], b[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[f"{loss}-beta{beta}" for loss, beta in CASES])
+def test_grpo_equals_trls_grpo_trainer_on_one_rank(tiny_assets, trl_steps, gloo_rank, case):
+    """The same prompts, completions and rewards for 3 steps (AdamW at a constant 1e-3, clipping at 1.0,
+    temperature 0.7, two reward functions weighted 1 and 0.5): TRL's loss, gradient norm, mean reward and KL."""
+    theirs, drawn = trl_steps[case]
+    ours = our_steps(tiny_assets, *case, drawn)
+    assert_equal(ours, theirs, case)
+    assert all(s["grad_norm"] > 1 for s in theirs)  # a gradient to compare (grpo's loss is 0 on-policy: mean A)
+
+
+@pytest.mark.slow
+def test_grpo_on_two_ranks_equals_trls_grpo_trainer(tiny_assets, trl_steps):
+    """Each step's two groups split over two gloo ranks (FSDP2): the same losses and gradient norms as TRL's on
+    one process, for every case."""
+    from tests.inprocess import _spawn
+
+    cases = [(*case, trl_steps[case][1]) for case in CASES]
+    for case, ours in zip(CASES, _spawn(_grpo_rank_main, 2, tiny_assets, cases), strict=True):
+        assert_equal(ours, trl_steps[case][0], case)
+
+
+def test_advantages_are_trls_for_each_scaling_and_unscorable_completions_get_none():
+    """Group means and standard deviations (Bessel's), the batch's, none; a completion every function skipped
+    (None) is out of its group's statistics and its advantage is 0; a group of equal rewards has zero spread."""
+    import torch
+
+    from training.grpo import advantages
+
+    nan = math.nan
+    table = [[1.0, nan], [0.0, 1.0], [1.0, 0.0], [nan, nan], [2.0, nan], [2.0, nan], [2.0, nan], [2.0, nan]]
+    a, rewards, zero = advantages(table, [1.0, 0.5], 4, "group")
+    first = torch.tensor([1.0, 0.5, 1.0])
+    assert a[:3].tolist() == pytest.approx(((first - first.mean()) / (first.std() + 1e-4)).tolist(), rel=1e-6)
+    assert a[3] == 0 and math.isnan(rewards[3]) and a[4:].tolist() == [0.0] * 4
+    assert zero.tolist() == [False] * 4 + [True] * 4
+    batch, _, _ = advantages(table, [1.0, 0.5], 4, "batch")
+    everything = torch.tensor([1.0, 0.5, 1.0, 2.0, 2.0, 2.0, 2.0])
+    assert batch[0] == pytest.approx(float((1.0 - first.mean()) / (everything.std() + 1e-4)), rel=1e-6)
+    unscaled, _, _ = advantages(table, [1.0, 0.5], 4, "none")
+    assert unscaled[:3].tolist() == pytest.approx((first - first.mean()).tolist(), rel=1e-6)
+
+
+def test_the_built_in_rewards_read_numbers_gsm8ks_answer_line_and_patterns():
+    from training.rewards import load_reward
+
+    def run(name, completions, answer):
+        return load_reward(name).function(prompts=[""] * len(completions), completions=completions,
+                                          answer=[answer] * len(completions))  # fmt: skip
+
+    assert run("answer_match", ["it is 1,000", "1000.0", "999", [{"role": "assistant", "content": "so 1000"}],
+                                "none"], "1000") == [1.0, 1.0, 0.0, 1.0, 0.0]  # fmt: skip
+    assert run("answer_match", ["Red", " red ", "a red"], "red") == [1.0, 1.0, 0.0]
+    assert run("gsm8k", ["3 + 4 = 7\n#### 7", "7 apples", "#### 8 (7)"], "4 and 3 make 7.\n#### 7") == [1, 1, 0]
+    assert run("format", ["x\n#### 7", "#### 7 apples", "7"], "7") == [1.0, 0.0, 0.0]
+    assert run("regex:^<think>.*</think>", ["<think>a</think> 3", "3"], "3") == [1.0, 0.0]
+
+
+def test_a_bad_reward_function_is_named_with_the_record_it_failed_on(tmp_path):
+    """Raising, the wrong count, a NaN, a string; a file without the function named, a missing file, a spec that
+    is none of the forms: each one RewardError naming the function (and the record where there is one)."""
+    from training.rewards import RewardError, load_reward, score
+
+    path = tmp_path / "mine.py"
+    path.write_text("def raises(completions, **kw):\n    return [1 / 0 for _ in completions]\n"
+                    "def short(completions, **kw):\n    return [1.0]\n"
+                    "def nan(completions, **kw):\n    return [float('nan')] * len(completions)\n"
+                    "def text(completions, **kw):\n    return ['1'] * len(completions)\n"
+                    "def fine(completions, answer, **kw):\n    return [float(c == a) for c, a in zip(completions, answer)]\n")  # fmt: skip
+    where = ["data.jsonl, line 3", "data.jsonl, line 3", "data.jsonl, line 4", "data.jsonl, line 4"]
+
+    def run(name):
+        return score([load_reward(f"{path}:{name}")], ["q"] * 4, ["a", "b", "a", "c"], [[1]] * 4,
+                     {"answer": ["a"] * 4}, 0, where)  # fmt: skip
+
+    assert run("fine") == [[1.0], [0.0], [1.0], [0.0]]
+    expected = {"raises": "reward 'raises' raised ZeroDivisionError: division by zero (scoring the completions of "
+                          "data.jsonl, line 3 and others)",
+                "short": "reward 'short' returned 1 values for 4 completions",
+                "nan": "reward 'nan' returned nan for a completion of data.jsonl, line 3",
+                "text": "reward 'text' returned '1' for a completion of data.jsonl, line 3"}  # fmt: skip
+    for name, message in expected.items():
+        with pytest.raises(RewardError) as err:
+            run(name)
+        assert message in str(err.value), str(err.value)
+    for spec, message in ((f"{path}:missing", "defines no function 'missing' (it defines: fine, nan, raises, short, "
+                           "text)"), (f"{tmp_path}/gone.py:f", "is not there"),
+                          ("exact", "not one of answer_match, gsm8k, format")):  # fmt: skip
+        with pytest.raises(RewardError, match=".*") as err:
+            load_reward(spec)
+        assert message in str(err.value), str(err.value)
