@@ -5,6 +5,8 @@
 - recipe, chunked_loss: the schedule, the loss and its normalisation, clipping; the chunked cross-entropy
 - step: one optimizer step and its parts; dpo: DPO's loss, metrics and step; preferences: the pairs'
   loaders and reference log-probabilities
+- grpo: GRPO's advantages, loss and step (TRL's); rewards: its reward functions; sampler: the learner's own
+  generation; grpo_iteration: sample, score, step (not yet an --objective: docs/grpo.md)
 - objectives: what is trained (sft or dpo); training_run: the run loop (progress, evals, saves, stops)
 - stopping: a preemption notice or SIGTERM turned into a save; samples: greedy answers at each eval
 
