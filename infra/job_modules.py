@@ -19,7 +19,7 @@ if str(JOBS_DIR) not in sys.path:
     sys.path.insert(0, str(JOBS_DIR))
 
 import tiny_assets  # noqa: E402
-from config import command_line, data_formats, eval_tasks, modality, settings, splits  # noqa: E402
+from config import command_line, data_formats, eval_tasks, modality, setting_checks, settings, splits  # noqa: E402
 from evaluation import endpoint  # noqa: E402
 from runtime import backend, log_lines, memory_plan, outcome, run_files, storage, tpu_generations  # noqa: E402
 from training import samples  # noqa: E402
@@ -36,6 +36,7 @@ __all__ = [
     "outcome",
     "run_files",
     "samples",
+    "setting_checks",
     "settings",
     "splits",
     "storage",

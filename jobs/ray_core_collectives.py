@@ -27,7 +27,8 @@ import sys
 import ray
 
 from config.command_line import add_flags
-from config.settings import PLACEMENT, placement, worker_count
+from config.setting_checks import placement, worker_count
+from config.settings import PLACEMENT
 from runtime.backend import connect_ray, get_backend
 from runtime.outcome import JobInputError, exit_code
 from runtime.tpu_generations import by_accelerator_type

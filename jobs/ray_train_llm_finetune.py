@@ -51,7 +51,8 @@ import sys
 import time
 
 from config.command_line import for_this_machine, from_args, parse_args
-from config.settings import DEFAULT_RUN_PREFIX, FinetuneSettings, check, worker_count
+from config.setting_checks import check, worker_count
+from config.settings import DEFAULT_RUN_PREFIX, FinetuneSettings
 from data.prepared import data_report, print_data_report, with_modality
 from data.render import load_tokenizer
 from evaluation.before_after import before_after, read_evaluation

@@ -51,7 +51,8 @@ def test_derived_values(generation, topology):
 def test_the_jobs_and_the_stack_read_one_tpu_table():
     """The TPU facts live in jobs/runtime/tpu_generations.py; the stack's slice is derived from that same table, and the
     fine-tune's worker count from it agrees with the slice's devices."""
-    from config.settings import FinetuneSettings, worker_count
+    from config.setting_checks import worker_count
+    from config.settings import FinetuneSettings
     from infra.cloud import tpu
     from infra.job_modules import tpu_generations
 

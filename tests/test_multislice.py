@@ -165,7 +165,8 @@ def test_ray_train_counts_as_many_slices_as_the_stack_declares(two, monkeypatch)
     in its own process: the head's env must carry it on Ironwood, or 32 workers on 2x2x2 would be 4 slices."""
     from ray.util.tpu import get_tpu_num_slices_for_workers
 
-    from config.settings import from_dict, worker_count
+    from config.setting_checks import worker_count
+    from config.settings import from_dict
 
     spec = two.one("kubernetes:ray.io/v1:RayCluster").inputs["spec"]
     head_env = {e["name"]: e.get("value") for e in spec["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]}

@@ -186,7 +186,7 @@ def test_describe_counts_the_matmuls_of_gemma4(tiny):
 
 def test_walkthrough_flags_are_accepted(monkeypatch, capsys):
     from config.command_line import from_args, parse_args
-    from config.settings import check, worker_count
+    from config.setting_checks import check, worker_count
 
     monkeypatch.setenv("STORAGE_PATH", "gs://b/ray_train_torchtpu")
     args = parse_args(

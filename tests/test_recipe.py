@@ -91,7 +91,7 @@ def test_the_eval_loss_is_token_weighted_and_leaves_the_weights_untouched(tiny_a
 
 def test_the_walkthrough_recipe_restores_every_default_and_single_flags_still_win():
     from config.command_line import from_args, parse_args
-    from config.settings import check
+    from config.setting_checks import check
 
     walk = from_args(parse_args(["--recipe", "walkthrough"]))
     assert {k: getattr(walk, k) for k in ("packing", "sharded_checkpoints", "chat_template", "prompt_loss", "lr_schedule",

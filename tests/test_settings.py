@@ -106,7 +106,7 @@ def test_a_value_past_a_declared_bound_is_refused_at_preview_naming_its_key(name
 
 
 def test_the_job_refuses_the_same_values_naming_its_flags():
-    from config.settings import check
+    from config.setting_checks import check
     from runtime.outcome import JobInputError
 
     with pytest.raises(JobInputError) as err:
@@ -196,7 +196,7 @@ def test_the_learning_rates_default_is_written_once():
 
 
 def test_the_job_checks_every_number_and_names_tpu_flags_its_backend_ignores(capsys):
-    from config.settings import check
+    from config.setting_checks import check
     from runtime.outcome import JobInputError
 
     with pytest.raises(JobInputError, match="--lr -0.001 must be greater than 0"):

@@ -42,7 +42,7 @@ def test_two_slices_of_two_train_what_one_slice_of_four_does(layouts):
 
 
 def test_the_slices_must_divide_the_workers_before_any_starts(tiny_assets):
-    from config.settings import check, worker_count
+    from config.setting_checks import check, worker_count
     from runtime.outcome import JobInputError
 
     assert worker_count(check(settings(tiny_assets, "--num-workers", "4", "--num-slices", "2"))) == 4

@@ -104,7 +104,7 @@ def tpu_slice(r: Reader) -> TpuSlice | None:
 
 def num_slices(r: Reader, n: int, tpu_slice: TpuSlice | None, mode: str, collectives_workers: int) -> None:
     """Slices of the topology: as many as a cluster's nodes hold; in local mode, groups of the CPU workers (the
-    fine-tune's own check covers its workers: settings.placement_problems)."""
+    fine-tune's own check covers its workers: setting_checks.placement_problems)."""
     if n > 1 and mode == "local":
         if collectives_workers % n:
             r.problem(f"{key('numSlices')}: {n} does not divide {key('collectivesWorkers')} {collectives_workers}: "

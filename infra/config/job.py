@@ -1,7 +1,7 @@
 """The fine-tune's settings as the stack will send them, read from the stack's config by the job's own
 declarations (jobs/config/settings.py): each setting a stack key exposes, by its declared type; a recipe setting left
 unset from the recipe; the placement and the storage from the stack's own keys. Then the job's own checks
-(settings.problems), said in the stack's words: what the job would refuse, the stack refuses at preview,
+(setting_checks.problems), said in the stack's words: what the job would refuse, the stack refuses at preview,
 naming the key.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from infra import ROOT
 from infra.cloud.tpu import TpuSlice
 from infra.config.reader import Reader, key
-from infra.job_modules import settings
+from infra.job_modules import setting_checks, settings
 
 # A datasetFile's object in the bucket (infra/resources/dataset.py uploads it): its name carries the file's content
 # hash, so an edited file is a new object and a new gs:// URI in the job's arguments (a new run).
@@ -91,12 +91,12 @@ def job_settings(r: Reader, *, local: bool, tpu_slice: TpuSlice | None, bucket: 
     if local:  # the local stack names files of this checkout; the jobs run elsewhere, so make them absolute
         values |= {n: local_path(values[n]) for n in ("model", "dataset") if n in values}
     job = settings.FinetuneSettings(**values | placement)  # after the dataset: a file's default split is all of it
-    for problem in settings.problems(job):
+    for problem in setting_checks.problems(job):
         r.problem(f"{key_of(problem.name)}: {_as_given(r, problem)!r} {problem.render(key_of)}")
     return job
 
 
-def _as_given(r: Reader, problem: settings.Problem):
+def _as_given(r: Reader, problem: setting_checks.Problem):
     """The refused value as the user wrote it where parsing changed it past recognition (1e309 reads as inf)."""
     stack_key = settings.stack_keys().get(problem.name)
     if isinstance(problem.value, float) and not math.isfinite(problem.value) and stack_key:

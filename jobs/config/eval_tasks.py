@@ -1,7 +1,7 @@
 """What --eval-tasks names: `heldout` (the held-out records as tasks, evaluation.py), lm-evaluation-harness tasks by
 name (hellaswag, gsm8k, ...), or `none`; checked against the installed lm-eval's own task index.
 
-Torch-free: the stack checks the names at preview (settings.problems), the job before any worker starts. The
+Torch-free: the stack checks the names at preview (setting_checks.problems), the job before any worker starts. The
 index is read only when a name other than heldout is given: lm-eval 0.4.13's TaskManager reads its ~15,000 task
 YAMLs (about 7 s).
 """

@@ -2,7 +2,7 @@
 split obeys: it never overlaps the training split.
 
 What can be known from the text alone (absolute bounds) is checked here, by the job's settings and so by the
-stack at preview (settings.problems); the rest once the data's sizes are known (sft_data.load_splits), with the
+stack at preview (setting_checks.problems); the rest once the data's sizes are known (sft_data.load_splits), with the
 same `overlap`. Torch-free: the stack imports it (infra/job_modules.py).
 """
 
@@ -48,7 +48,7 @@ def known_ranges(spec: str) -> list[tuple]:
 def eval_split_problem(eval_split: str, split: str) -> str | None:
     """What is wrong with the held-out split `eval_split` beside the training `split`, as far as the text tells:
     auto, none, or a split expression that never overlaps the training one. The message names the training split
-    {split}, for the caller to write as its flag or config key (settings.Problem)."""
+    {split}, for the caller to write as its flag or config key (setting_checks.Problem)."""
     if eval_split == "none":
         return None
     if eval_split == "auto":

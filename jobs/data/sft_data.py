@@ -267,7 +267,7 @@ def default_eval(train: list[tuple[str, int, int]], sizes: dict[str, int]) -> tu
 
 def check_disjoint(train: list, held_out: list) -> None:
     """The resolved ranges: a held-out split holds records and shares none with the training split (the same
-    rule settings.problems applies to the bounds the text gives, at preview)."""
+    rule setting_checks.problems applies to the bounds the text gives, at preview)."""
     for name, a, b in held_out:
         if b <= a:
             raise JobInputError(f"the eval split holds no records ({name}[{a}:{b}])")
