@@ -19,7 +19,7 @@ if str(JOBS_DIR) not in sys.path:
     sys.path.insert(0, str(JOBS_DIR))
 
 import tiny_assets  # noqa: E402
-from config import command_line, data_formats, eval_tasks, modality, setting_checks, settings, splits  # noqa: E402
+from config import command_line, data_formats, eval_tasks, modality, reward_specs, setting_checks, settings, splits  # noqa: E402,E501
 from evaluation import endpoint  # noqa: E402
 from runtime import backend, log_lines, memory_plan, outcome, run_files, storage, tpu_generations  # noqa: E402
 from training import samples  # noqa: E402
@@ -34,6 +34,7 @@ __all__ = [
     "memory_plan",
     "modality",
     "outcome",
+    "reward_specs",
     "run_files",
     "samples",
     "setting_checks",

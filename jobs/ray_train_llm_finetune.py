@@ -63,6 +63,7 @@ from runtime.outcome import exit_code
 from runtime.run_files import (
     LOSS_PLOT,
     METRICS_FILE,
+    REWARD_PLOT,
     SAMPLES_FILE,
     TENSORBOARD_DIR,
     last_samples,
@@ -213,12 +214,17 @@ def run(settings: FinetuneSettings) -> dict:
     if settings.preflight:
         return {"run_name": run_name, "data_report": report, "data_report_file": report_file}
     write_task(settings, tokenizer, run_dir(settings.storage_path, run_name))  # the held-out task, for lm-eval
+    if settings.objective == "grpo":  # each reward loads here, before Ray: a missing file or function is named now
+        from training.grpo_objective import Grpo
+
+        Grpo(settings)
     import ray
 
     connect_ray(count, workers_on=settings.backend)  # fails, naming what is missing, if it can never place them
     print(HARMLESS_RAY_LINE, flush=True)
     started = time.monotonic()
-    held_out = bool((report.get("eval") or {}).get("records_used"))
+    # (GRPO's eval is a mean reward, not a loss: its checkpoints are kept by the training loss)
+    held_out = bool((report.get("eval") or {}).get("records_used")) and settings.objective != "grpo"
     result = trainer(settings, count, run_name, prepared.uri, held_out).fit()
     ray.shutdown()  # prints the workers' last log lines now (Ray holds repeated ones back), not after the result
     done = outputs(settings, run_name, result, report)
@@ -247,6 +253,7 @@ def outputs(settings: FinetuneSettings, run_name: str, result, report: dict) -> 
         "metrics": dict(result.metrics or {}),
         "history": history,
         "loss_curve": report_files.get(LOSS_PLOT),
+        "reward_curve": report_files.get(REWARD_PLOT),  # (GRPO's)
         "metrics_log": report_files.get(METRICS_FILE),
         "data_report": report,
         "tensorboard": f"{run_dir(settings.storage_path, run_name)}/{TENSORBOARD_DIR}",

@@ -243,7 +243,7 @@ def test_training_jobs_resource(run):
     topology, accelerator = {"v6e": ("4x4", "TPU-V6E"), "tpu7x": ("2x2x2", "TPU-V7X")}[run.stack]
     assert training["settings"] == {  # the fine-tune's settings (jobs/config/settings.py) but maxFailures and the unset
         "recipe": "default", "model": "google/gemma-4-E2B-it", "dataset": "databricks/databricks-dolly-15k",
-        "split": "train[:1024]", "eval_split": "auto", "eval_tasks": "heldout", "eval_limit": 64, "objective": "sft", "dpo_beta": 0.1, "dpo_loss": "sigmoid", "overlong": "truncate",
+        "split": "train[:1024]", "eval_split": "auto", "eval_tasks": "heldout", "eval_limit": 64, "objective": "sft", "dpo_beta": 0.1, "dpo_loss": "sigmoid", "num_generations": 8.0, "max_completion_length": 512.0, "temperature": 1.0, "beta": 0.0, "epsilon": 0.2, "loss_type": "dapo", "scale_rewards": "group", "rewards": "answer_match", "overlong": "truncate",
         "epochs": 3, "batch_size": 4, "grad_accum": 1, "seq_len": 512,
         "packing": True, "chat_template": True, "prompt_loss": False,
         "lr": 2e-05, "lr_schedule": "cosine", "warmup_ratio": 0.03, "max_grad_norm": 1.0, "weight_decay": 0.01,

@@ -121,7 +121,7 @@ def workload_of(job, tpu_slice) -> Workload:
         devices=tpu_slice.devices, batch=job.batch_size, seq_len=job.seq_len, dtype_bytes=2,
         activation_checkpointing=job.activation_checkpointing, lora=job.lora, lora_rank=job.lora_rank,
         loss_chunk=job.loss_chunk, sequences=plans.sequences_per_record(job.objective),
-        tower_params=tower_params(job), train_towers=job.train_towers,
+        tower_params=tower_params(job), train_towers=job.train_towers, **plans.grpo_parts(job.objective, job.beta),
     )  # fmt: skip
 
 

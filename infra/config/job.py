@@ -14,7 +14,7 @@ from pathlib import Path
 from infra import ROOT
 from infra.cloud.tpu import TpuSlice
 from infra.config.reader import Reader, key
-from infra.job_modules import setting_checks, settings
+from infra.job_modules import reward_specs, setting_checks, settings
 
 # A datasetFile's object in the bucket (infra/resources/dataset.py uploads it): its name carries the file's content
 # hash, so an edited file is a new object and a new gs:// URI in the job's arguments (a new run).
@@ -63,8 +63,8 @@ def read(r: Reader, name: str):
         return None
     text, kind = r.value(stack_key), settings.value_type(name)
     optional = settings.SETTINGS[name].default is None and settings.declared(settings.SETTINGS[name]).stack_default
-    if text == "" and kind is str and optional:
-        return None  # an empty string: no value (datasetConfig, datasetColumns; not datasetSplit, derived when unset)
+    if text == "" and optional:
+        return None  # an empty string: no value (datasetConfig, epsilonHigh; not datasetSplit, derived when unset)
     what = {int: "an integer", float: "a number", bool: "true or false", str: "text"}[kind]
     try:
         return _cast(kind)(text)
@@ -90,10 +90,28 @@ def job_settings(r: Reader, *, local: bool, tpu_slice: TpuSlice | None, bucket: 
         values["dataset"] = dataset_ref("", dataset_file, None if local else bucket)
     if local:  # the local stack names files of this checkout; the jobs run elsewhere, so make them absolute
         values |= {n: local_path(values[n]) for n in ("model", "dataset") if n in values}
+    if values.get("objective") == "grpo" and "rewards" in values:
+        values["rewards"] = reward_files(r, values["rewards"], local)
     job = settings.FinetuneSettings(**values | placement)  # after the dataset: a file's default split is all of it
     for problem in setting_checks.problems(job):
         r.problem(f"{key_of(problem.name)}: {_as_given(r, problem)!r} {problem.render(key_of)}")
     return job
+
+
+def reward_files(r: Reader, rewards: str, local: bool) -> str:
+    """`rewards` with each FILE.py entry made absolute (local) or refused unless on gs:// (the job runs on the
+    cluster, which cannot read this machine's files)."""
+    out = []
+    for entry in reward_specs.entries(rewards):
+        parts = reward_specs.file_and_function(entry)
+        if parts and local:
+            entry = f"{local_path(parts[0])}:{parts[1]}"
+        elif parts and not parts[0].startswith("gs://"):
+            r.problem(f"{key('rewards')}: {entry!r} is a file on this machine, which the cluster's job cannot read: "
+                      f"copy it to the bucket (gcloud storage cp {parts[0]} gs://BUCKET/rewards/) and name "
+                      f"gs://BUCKET/rewards/{parts[0].rsplit('/', 1)[-1]}:{parts[1]}")  # fmt: skip
+        out.append(entry)
+    return ",".join(out)
 
 
 def _as_given(r: Reader, problem: setting_checks.Problem):

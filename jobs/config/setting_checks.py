@@ -9,7 +9,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass
 
-from config import eval_tasks
+from config import eval_tasks, reward_specs
 from config.data_formats import DEFAULT_DATASET, parse_columns
 from config.declared import value_problem
 from config.settings import PLACEMENT, SETTINGS, FinetuneSettings, flag, named
@@ -55,6 +55,8 @@ def problems(s: FinetuneSettings) -> list[Problem]:
         found.append(Problem("dataset", s.dataset, "holds instructions, not preference pairs: {objective} dpo needs "
                              "records with prompt, chosen and rejected (or chosen and rejected alone), such as the "
                              "hub's trl-lib/ultrafeedback_binarized or a file of your own"))  # fmt: skip
+    if s.objective == "grpo":
+        found += grpo_problems(s)
     if why := eval_tasks.problem(s.eval_tasks):
         found.append(Problem("eval_tasks", s.eval_tasks, why))
     if not is_split(s.split):
@@ -66,6 +68,29 @@ def problems(s: FinetuneSettings) -> list[Problem]:
                              "weights only, so a run could not go on from the middle of an epoch): set it to 0, or "
                              "use sharded checkpoints"))  # fmt: skip
     return found + placement_problems(s)
+
+
+def grpo_problems(s: FinetuneSettings) -> list[Problem]:
+    """GRPO's rules: prompt records, whole groups in each rank's batch, rewards that can be loaded."""
+    found = []
+    if s.dataset == DEFAULT_DATASET:
+        found.append(Problem("dataset", s.dataset, "holds instructions, not prompts with checkable answers: "
+                             "{objective} grpo needs records with a prompt (text or turns) and the columns its "
+                             "rewards read, e.g. answer, such as the hub's openai/gsm8k with {columns} "
+                             "prompt=question or a file of your own"))  # fmt: skip
+    if s.batch_size % s.num_generations:
+        fits = s.batch_size // s.num_generations * s.num_generations or s.num_generations
+        found.append(Problem("batch_size", s.batch_size, f"does not hold whole groups of {{num_generations}} "
+                             f"{s.num_generations} completions (a group is one prompt's, compared with each other "
+                             f"on one rank): give {fits} or another multiple of {s.num_generations}, or a "
+                             f"{{num_generations}} that divides {s.batch_size}"))  # fmt: skip
+    if s.epsilon_high is not None and s.epsilon_high < s.epsilon:
+        found.append(Problem("epsilon_high", s.epsilon_high, f"is below {{epsilon}} {s.epsilon}: the clip above "
+                             "1 is at least the one below (DAPO's clip-higher raises it)"))  # fmt: skip
+    if bad := reward_specs.problem(s.rewards, s.reward_weights):
+        name, why = bad
+        found.append(Problem(name, getattr(s, name), why))
+    return found
 
 
 def placement_problems(s: FinetuneSettings) -> list[Problem]:

@@ -29,10 +29,12 @@ from runtime.backend import BACKENDS, DTYPES
 from runtime.tpu_generations import ACCELERATOR_TYPES
 
 RECIPES = ("default", "walkthrough")
-OBJECTIVES = ("sft", "dpo")
+OBJECTIVES = ("sft", "dpo", "grpo")
 ATTENTION = ("eager", "sdpa")  # transformers' attn_implementation
 SCHEDULES = ("cosine", "constant")  # training/recipe.py's learning-rate shapes
 DPO_LOSSES = ("sigmoid", "ipo")  # training/dpo.py's losses, as TRL names them
+GRPO_LOSSES = ("dapo", "grpo", "dr_grpo", "bnpo")  # training/grpo.py's, TRL's names
+SCALE_REWARDS = ("group", "batch", "none")
 DEFAULT_RUN_PREFIX = "torchtpu_gemma4_fsdp2_sft_"
 DEFAULT_STORAGE = "$STORAGE_PATH, else ~/ray_results"
 
@@ -81,12 +83,35 @@ class FinetuneSettings:
     # ---- the recipe
     objective: str = setting("sft", "what is trained: sft (supervised: the answers' tokens) or dpo (preference pairs: "
                              "prompt, chosen, rejected; Direct Preference Optimization against the starting "
-                             "weights, whose log-probabilities are computed once; rows are not packed)",
-                             key="objective", choices=OBJECTIVES)  # fmt: skip
+                             "weights, whose log-probabilities are computed once; rows are not packed) or grpo "
+                             "(online RL: prompts, completions sampled by the model and scored by {rewards}; "
+                             "docs/grpo.md)", key="objective", choices=OBJECTIVES)  # fmt: skip
     dpo_beta: float = setting(0.1, "DPO's beta: how far from the starting model the preferences may pull (TRL's "
                               "default)", key="dpoBeta", low=0, low_open=True, high=100)  # fmt: skip
     dpo_loss: str = setting("sigmoid", "DPO's loss: sigmoid (the DPO paper's) or ipo (its log-ratios per answer "
                             "token, as TRL computes it)", key="dpoLoss", choices=DPO_LOSSES)  # fmt: skip
+    num_generations: int = setting(8, "GRPO: completions sampled for each prompt and compared with each other "
+                                   "(TRL's; {batch_size} counts completions and holds whole groups)",
+                                   key="numGenerations", low=2, high=1024)  # fmt: skip
+    max_completion_length: int = setting(512, "GRPO: the most tokens a sampled completion has (TRL's)",
+                                         key="maxCompletionLength", low=1, high=131_072)  # fmt: skip
+    temperature: float = setting(1.0, "GRPO: the sampling temperature, the log-probabilities' too (TRL's)",
+                                 key="temperature", low=0, low_open=True, high=10)  # fmt: skip
+    beta: float = setting(0.0, "GRPO: the KL penalty's weight, to the starting weights (TRL's beta; above 0 a copy "
+                          "of them is kept in memory)", key="beta", low=0, high=100)  # fmt: skip
+    epsilon: float = setting(0.2, "GRPO: the probability ratio's clip below 1 (and above unless {epsilon_high})",
+                             key="epsilon", low=0, low_open=True, high=1, high_open=True)  # fmt: skip
+    epsilon_high: float | None = setting(None, "GRPO: the ratio's clip above 1 (DAPO's clip-higher; default: "
+                                         "{epsilon})", key="epsilonHigh", low=0, low_open=True, high=10)  # fmt: skip
+    loss_type: str = setting("dapo", "GRPO's loss normalisation, TRL's: dapo, grpo, dr_grpo or bnpo (docs/grpo.md)",
+                             key="lossType", choices=GRPO_LOSSES)  # fmt: skip
+    scale_rewards: str = setting("group", "GRPO: advantages divided by each group's reward spread, the batch's, or "
+                                 "none (TRL's)", key="scaleRewards", choices=SCALE_REWARDS)  # fmt: skip
+    rewards: str = setting("answer_match", "GRPO's reward functions, comma-separated: answer_match, gsm8k, format, "
+                           "regex:PATTERN or FILE.py:FUNCTION with TRL's signature (training/rewards.py)",
+                           key="rewards")  # fmt: skip
+    reward_weights: str | None = setting(None, "the rewards' weights, comma-separated (default: 1 each)",
+                                         key="rewardWeights")  # fmt: skip
     epochs: int = setting(3, "epochs", key="epochs", aliases=("--num-epochs",), low=1, high=1000,
                           high_why="more epochs than any fine-tune of this size needs")  # fmt: skip
     batch_size: int = setting(4, "rows per device in each micro-batch", key="batchSize",
@@ -192,7 +217,7 @@ class FinetuneSettings:
     def __post_init__(self) -> None:
         if self.split is None:  # the defaults that depend on another setting
             object.__setattr__(self, "split", default_split(self.dataset))
-        if self.objective == "dpo" and self.packing:  # a pair's two rows are compared: never packed
+        if self.objective in ("dpo", "grpo") and self.packing:  # a pair's rows are compared, a prompt sampled
             object.__setattr__(self, "packing", False)
 
     @property

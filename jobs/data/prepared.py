@@ -94,10 +94,14 @@ def data_report(settings, prepared: Prepared, workers: int) -> dict:
     """What the run will train on (prepared.report) and its steps; fails if the data does not fill one
     global batch."""
     rows, needed = prepared.report["train_rows"], workers * settings.batch_size * settings.grad_accum
-    if rows < needed:
-        kind = "pairs" if settings.objective == "dpo" else "packed rows" if settings.packing else "records"
+    per_row = settings.num_generations if settings.objective == "grpo" else 1  # (GRPO: a prompt, its group's rows)
+    if rows * per_row < needed:
+        kind = {"dpo": "pairs", "grpo": "prompts"}.get(settings.objective, "packed rows" if settings.packing else
+                                                                           "records")  # fmt: skip
+        each = f" / {per_row} completions a prompt" if per_row > 1 else ""
         raise JobInputError(f"{rows} {kind} are fewer than one global batch ({workers} workers x "
-                            f"{settings.batch_size} rows x {settings.grad_accum} accumulation = {needed})")  # fmt: skip
+                            f"{settings.batch_size} rows x {settings.grad_accum} accumulation{each} = "
+                            f"{needed // per_row})")  # fmt: skip
     return {
         "objective": settings.objective,
         "dataset": settings.dataset,
@@ -110,7 +114,7 @@ def data_report(settings, prepared: Prepared, workers: int) -> dict:
         "train": prepared.report["train"],
         "eval": prepared.report["eval"],
         "train_rows": rows,
-        "steps_per_epoch": rows // needed,
+        "steps_per_epoch": rows * per_row // needed,
         "modality": prepared.report.get("modality", "text"),
         "prepared": prepared.uri,
         "prepared_reused": prepared.reused,
@@ -125,7 +129,7 @@ def print_data_report(report: dict) -> None:
         f"{t['records_used']} used ({t['truncated']} truncated, {t['dropped']} dropped at --seq-len); "
         f"{t['tokens']:,} tokens, {t['predicted_share']:.1%} of them trained on; longest "
         f"{t['longest_record_tokens']} tokens ({t['longest_record']}); {report['train_rows']} "
-        f"{'pairs (not packed)' if report.get('objective') == 'dpo' else 'rows'}, "
+        f"{ {'dpo': 'pairs (not packed)', 'grpo': 'prompts'}.get(report.get('objective'), 'rows') }, "
         f"{report['steps_per_epoch']} steps an epoch",
         flush=True,
     )

@@ -111,8 +111,8 @@ def write_task(settings, tokenizer, run_dir: str) -> str | None:
     from data.render import stop_token_ids
     from runtime.storage import filesystem
 
-    if HELDOUT not in parse(settings.eval_tasks) or not settings.chat_template or settings.objective == "dpo":
-        return None  # (a DPO run's held-out pairs are scored at each eval: their preference accuracy)
+    if HELDOUT not in parse(settings.eval_tasks) or not settings.chat_template or settings.objective != "sft":
+        return None  # (a DPO run's held-out pairs are scored at each eval, a GRPO run's prompts by their rewards)
     if towers_of(settings.modality):
         return None  # (held-out pictures and sound are scored in the job: media_scores.py)
     docs = held_out_docs(settings, tokenizer)

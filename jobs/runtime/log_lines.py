@@ -55,6 +55,13 @@ def duration(seconds: float) -> str:
     return f"{hours} h {minutes:02d} min" if hours else f"{minutes} min {s:02d} s" if minutes else f"{s} s"
 
 
+def rewards(history: list[dict]) -> str:
+    """A GRPO run's mean reward over its first and last steps (five each, or fewer)."""
+    curve = [r for h in history for r in h.get("reward_curve") or []]
+    k = max(1, min(5, len(curve) // 2))
+    return f"first {k} steps {sum(curve[:k]) / k:.3f}, last {k} {sum(curve[-k:]) / k:.3f} ({len(curve)} steps)"
+
+
 def closing_summary(result: dict, seconds: float, devices: str, chips: int | None) -> str:
     """What a person looks for when a run ends, above the machine-readable result line. The cost is the slice's
     chip-hours while the run held it (the price per chip-hour: docs/cost.md; the stack's `cost` output prices it)."""
@@ -67,6 +74,7 @@ def closing_summary(result: dict, seconds: float, devices: str, chips: int | Non
         f"  checkpoint:  {result['checkpoint']}{copy}",
         f"  losses:      {'; '.join(epoch_losses(h) for h in history) or 'none (no epoch finished)'}",
         f"  loss curve:  {result.get('loss_curve')}  (metrics.jsonl beside it)",
+        *([f"  reward:      {rewards(history)}; curve {result['reward_curve']}"] if result.get("reward_curve") else []),
         f"  samples:     {result.get('samples') or 'none'}",
         f"  tensorboard: tensorboard --logdir {result['tensorboard']}",
         *evaluation_block(result.get("evaluation")),

@@ -70,6 +70,13 @@ class Workload:
     sequences: int = 1  # rows a record makes (sequences_per_record)
     tower_params: int = 0  # the vision and audio towers loaded (with their embedders): in the root unit
     train_towers: bool = False
+    sampler: bool = False  # GRPO: the learner generates its completions (a KV cache for its rows)
+    reference: bool = False  # GRPO with beta > 0: the starting weights, sharded as the learner's
+
+
+def grpo_parts(objective: str, beta: float) -> dict:
+    """Workload's GRPO fields for a run's objective and beta (docs/grpo.md: the sampler is the learner)."""
+    return {"sampler": objective == "grpo", "reference": objective == "grpo" and beta > 0}
 
 
 def sequences_per_record(objective: str) -> int:
@@ -135,6 +142,10 @@ def plan(model: ModelShape, workload: Workload, hbm_gib: float | None = None) ->
     }
     if workload.tower_params:
         parts["towers"] = towers_bytes(workload)
+    if workload.sampler:  # generate()'s keys and values: every layer's, for each of this device's rows
+        parts["kv_cache"] = 2 * model.kv_width * model.layers * w * workload.batch * workload.seq_len
+    if workload.reference:  # a second copy of the weights, frozen: no gradients, no optimizer state
+        parts["reference"] = (model.params - model.per_layer_table) * w / devices + model.per_layer_table * w
     return MemoryPlan({k: v / GIB for k, v in parts.items()}, hbm_gib)
 
 

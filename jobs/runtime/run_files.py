@@ -9,6 +9,7 @@ from pathlib import Path
 from runtime.storage import filesystem, uri
 
 METRICS_FILE, LOSS_PLOT, DATA_REPORT, TENSORBOARD_DIR = "metrics.jsonl", "loss.png", "data_report.json", "tensorboard"
+REWARD_PLOT = "reward.png"  # a GRPO run's: each step's mean reward (its epochs' reward_curve)
 SAMPLES_FILE = "samples.jsonl"
 
 
@@ -58,12 +59,36 @@ def loss_plot(run_name: str, history: list[dict]) -> bytes:
     return png.getvalue()
 
 
+def reward_curve(history: list[dict]) -> list[float]:
+    """A GRPO run's mean reward at each step, from its epochs' metrics."""
+    return [r for h in history for r in h.get("reward_curve") or []]
+
+
+def reward_plot(run_name: str, curve: list[float]) -> bytes:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(range(1, len(curve) + 1), curve, ".-", color="tab:purple")
+    ax.set(xlabel="step", ylabel="mean reward (training samples)", title=run_name)
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    plt.close(fig)
+    return png.getvalue()
+
+
 def write_run_report(storage_path: str, run_name: str, history: list[dict]) -> dict[str, str]:
-    """metrics.jsonl and loss.png in the run's directory."""
+    """metrics.jsonl and loss.png in the run's directory (and a GRPO run's reward.png)."""
+    curve = reward_curve(history)
     return write_run_files(storage_path, run_name, {
         METRICS_FILE: "".join(json.dumps(h, sort_keys=True) + "\n" for h in history).encode(),
         LOSS_PLOT: loss_plot(run_name, history),
-    })  # fmt: skip
+    } | ({REWARD_PLOT: reward_plot(run_name, curve)} if curve else {}))  # fmt: skip
 
 
 class TensorBoard:

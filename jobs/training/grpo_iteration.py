@@ -36,6 +36,20 @@ def gather_rows(values: list) -> list:
     return [v for rank in everyone for v in rank]
 
 
+def agreed(scoring):
+    """`scoring()`'s table, or, where it raised a RewardError on any rank, that error on every rank together (a
+    rank left waiting in the next gather would hang the group), before anything is trained on the step."""
+    from training.rewards import RewardError
+
+    try:
+        table, failure = scoring(), None
+    except RewardError as err:
+        table, failure = [], str(err)
+    if failures := [f for f in gather_rows([failure]) if f]:
+        raise RewardError(failures[0])
+    return table
+
+
 def reward_metrics(table: list, rewards, names: list[str], zero_std, num_generations: int) -> dict:
     import torch
 
@@ -51,8 +65,9 @@ def reward_metrics(table: list, rewards, names: list[str], zero_std, num_generat
 
 def iteration(trainee, optimizer, reference, prompts: list, group: Group, rewards, weights, knobs, lr: float,
               max_grad_norm: float, step: int, device, rank: int, world: int, seed: int, stop=False,
-              preempted=False):  # fmt: skip
-    """One step on this rank's `prompts` ([{"ids", "prompt", "columns", "where"}]): (step.StepResult, metrics)."""
+              preempted=False, micro_rows: int | None = None):  # fmt: skip
+    """One step on this rank's `prompts` ([{"ids", "prompt", "columns", "where"}]), its completions in micro-batches
+    of `micro_rows` (all at once: None): (step.StepResult, metrics)."""
     import numpy as np
     import torch
 
@@ -68,20 +83,24 @@ def iteration(trainee, optimizer, reference, prompts: list, group: Group, reward
     completions = [[{"role": "assistant", "content": t}] if isinstance(p["prompt"], list) else t
                    for p, t in zip(each, texts, strict=True)]  # fmt: skip
     columns = {k: [p["columns"][k] for p in each] for k in (prompts[0]["columns"] if prompts else {})}
-    table = score(rewards, [p["prompt"] for p in each], completions, samples.completions, columns, step,
-                  [p["where"] for p in each])  # fmt: skip
+    table = agreed(lambda: score(rewards, [p["prompt"] for p in each], completions, samples.completions, columns,
+                                 step, [p["where"] for p in each]))  # fmt: skip
     everyone = gather_rows(table)
     counts = gather_rows([len(table)])
     mine = slice(sum(counts[:rank]), sum(counts[: rank + 1]))
     advantage, reward, zero_std = advantages(everyone, weights, group.num_generations, group.scale_rewards)
-    batch = grpo_rows([p["ids"] for p in each], samples.completions, tokenizer.pad_token_id)
-    batch["advantages"] = advantage[mine].numpy()
-    if reference is not None:
-        with torch.no_grad():
-            tensors = {k: torch.as_tensor(v).to(device) for k, v in batch.items()}
-            batch["ref_logps"] = completion_log_probs(reference, tensors, knobs.temperature).float().cpu().numpy()
+    batches, rows, ours = [], micro_rows or len(each), advantage[mine].numpy()
+    for start in range(0, len(each), rows):
+        batch = grpo_rows([p["ids"] for p in each[start : start + rows]], samples.completions[start : start + rows],
+                          tokenizer.pad_token_id)  # fmt: skip
+        batch["advantages"] = ours[start : start + rows]
+        if reference is not None:
+            with torch.no_grad():
+                tensors = {k: torch.as_tensor(v).to(device) for k, v in batch.items()}
+                batch["ref_logps"] = completion_log_probs(reference, tensors, knobs.temperature).float().cpu().numpy()
+        batches.append(batch)
     started = time.perf_counter()
-    result = grpo_step(trainee.loss, optimizer, [batch], lr, max_grad_norm, knobs, device, stop, preempted)
+    result = grpo_step(trainee.loss, optimizer, batches, lr, max_grad_norm, knobs, device, stop, preempted)
     lengths = gather_rows([len(c) for c in samples.completions])
     sums = gather_rows([float(v) for v in result.metric_sums.cpu()])
     token_sums = [sum(sums[i :: len(METRICS)]) for i in range(len(METRICS))]
@@ -103,3 +122,28 @@ def _ended(completion: list[int], tokenizer) -> bool:
     from data.render import stop_token_ids
 
     return bool(completion) and completion[-1] in set(stop_token_ids(tokenizer))
+
+
+def held_out_reward(run, objective) -> dict:
+    """The held-out prompts' mean reward (eval_reward; each function's too), one greedy completion each, every rank
+    its share in one batch (a rank without one samples the first prompt and drops it: FSDP needs every rank)."""
+    import numpy as np
+
+    from training.rewards import score
+    from training.sampler import sample
+
+    prompts, tokenizer = run.data.eval, run.trainee.tokenizer
+    mine = prompts[run.rank :: run.world]
+    asked = mine or prompts[:1]
+    samples = sample(run.trainee, [p["ids"] for p in asked], 1, objective.group.max_completion_length, 0.0,
+                     run.device, run.world, run.settings.seed)  # fmt: skip
+    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in samples.completions]
+    completions = [[{"role": "assistant", "content": t}] if isinstance(p["prompt"], list) else t
+                   for p, t in zip(asked, texts, strict=True)]  # fmt: skip
+    columns = {k: [p["columns"][k] for p in asked] for k in asked[0]["columns"]}
+    table = agreed(lambda: score(objective.rewards, [p["prompt"] for p in asked], completions, samples.completions,
+                                 columns, run.at, [p["where"] for p in asked]))  # fmt: skip
+    everyone = np.asarray(gather_rows(table if mine else []), dtype=np.float64).reshape(-1, len(objective.rewards))
+    weighted = np.nansum(everyone * np.asarray(objective.weights)[None], axis=1)
+    out = {"eval_reward": float(weighted.mean()), "eval_loss": None}
+    return out | {f"eval_rewards/{r.name}": float(np.nanmean(everyone[:, j])) for j, r in enumerate(objective.rewards)}

@@ -3,9 +3,13 @@ step, its held-out eval, its sample prompts, and what must be ready before the f
 
 - sft: packed (or padded) rows of rendered records, the token loss (step.py).
 - dpo: preference pairs, DPO's loss against reference log-probabilities computed once (dpo.py, preferences.py).
+- grpo: prompts, each step's completions sampled by the model itself and scored by the rewards (grpo.py,
+  grpo_iteration.py, prompts.py; docs/grpo.md).
 """
 
 from __future__ import annotations
+
+from training.dpo import METRICS as DPO_METRICS
 
 
 def prepare_data(settings, tokenizer, before_work):
@@ -14,6 +18,10 @@ def prepare_data(settings, tokenizer, before_work):
         from training.preferences import prepare_pairs
 
         return prepare_pairs(settings, tokenizer, before_work)
+    if settings.objective == "grpo":
+        from training.prompts import prepare_prompts
+
+        return prepare_prompts(settings, tokenizer, before_work)
     from data.prepare import prepare
 
     return prepare(settings, tokenizer, before_work)
@@ -25,12 +33,18 @@ def training_data(settings, tokenizer, rank: int, world: int, prepared: str | No
         from training.preferences import PreferenceData
 
         return PreferenceData(settings, tokenizer, rank, world, prepared)
+    if settings.objective == "grpo":
+        from training.prompts import PromptData
+
+        return PromptData(settings, tokenizer, rank, world, prepared)
     from training.step import TrainingData
 
     return TrainingData(settings, tokenizer, rank, world, prepared)
 
 
 class Sft:
+    metric_names: tuple[str, ...] = ()
+
     def ready(self, run, state) -> None:
         """Nothing to compute before the first step."""
 
@@ -54,6 +68,8 @@ class Sft:
 
 
 class Dpo:
+    metric_names = DPO_METRICS
+
     def ready(self, run, state) -> None:
         """The pairs' reference log-probabilities: computed from the starting weights on a fresh run, read back on
         any other (preferences.PreferenceData.ready)."""
@@ -83,4 +99,8 @@ class Dpo:
 
 
 def objective_of(settings):
+    if settings.objective == "grpo":
+        from training.grpo_objective import Grpo
+
+        return Grpo(settings)
     return Dpo() if settings.objective == "dpo" else Sft()

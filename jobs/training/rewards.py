@@ -28,14 +28,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-BUILT_INS = ("answer_match", "gsm8k", "format")
+from config.reward_specs import BUILT_INS, FORMS, entries, file_and_function, weights
+from runtime.outcome import JobInputError
+
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 GSM8K_ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
 GSM8K_LINE = re.compile(GSM8K_ANSWER.pattern + r"\s*$")
 
 
-class RewardError(ValueError):
-    """A reward function that cannot be used: it raised, returned the wrong count, a NaN or not a number."""
+class RewardError(JobInputError):
+    """A reward function that cannot be used: not there, or it raised, returned the wrong count, a NaN or not a
+    number (a bad input: before Ray, the job's exit status 2 and this message)."""
 
 
 def text_of(completion) -> str:
@@ -113,9 +116,10 @@ def load_reward(spec: str, local_path: Callable[[str], str] = lambda p: p) -> Re
             return Reward(spec, regex_reward(spec.removeprefix("regex:")))
         except re.error as err:
             raise RewardError(f"reward {spec!r}: not a regular expression ({err})") from None
-    path, sep, name = spec.rpartition(":")
-    if not sep or not path.endswith(".py") or not name.isidentifier():
-        raise RewardError(f"reward {spec!r}: not one of {', '.join(BUILT_INS)}, regex:PATTERN or FILE.py:FUNCTION")
+    parts = file_and_function(spec)
+    if parts is None:
+        raise RewardError(f"reward {spec!r}: not one of {FORMS}")
+    path, name = parts
     module_spec = importlib.util.spec_from_file_location(f"user_rewards_{abs(hash(path))}", local_path(path))
     module = importlib.util.module_from_spec(module_spec)
     try:
@@ -130,6 +134,11 @@ def load_reward(spec: str, local_path: Callable[[str], str] = lambda p: p) -> Re
         raise RewardError(f"reward {spec!r}: {path} defines no function {name!r} (it defines: "
                           f"{', '.join(defined) or 'none'})")  # fmt: skip
     return Reward(name, function)
+
+
+def load_rewards(rewards: str, reward_weights: str | None, local_path=lambda p: p) -> tuple[list[Reward], list]:
+    """--rewards' functions and --reward-weights' weights."""
+    return [load_reward(e, local_path) for e in entries(rewards)], weights(rewards, reward_weights)
 
 
 def score(rewards: Sequence[Reward], prompts: list, completions: list, completion_ids: list, columns: dict,

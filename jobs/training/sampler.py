@@ -42,10 +42,17 @@ def cut(row: list[int], stops: set[int], pad: int) -> list[int]:
     return row
 
 
+def sampling(temperature: float) -> dict:
+    """generate()'s sampling arguments: TRL's (the temperature, no top-k, no top-p), or greedy at temperature 0."""
+    if temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+
+
 def sample(trainee, prompts: list[list[int]], num_generations: int, max_new: int, temperature: float, device,
            world: int, seed: int) -> Samples:  # fmt: skip
     """num_generations completions of each prompt (consecutive, in prompt order), sampled from the model as it is
-    now; `seed` makes a step's samples the same after a restart."""
+    now (greedily at temperature 0); `seed` makes a step's samples the same after a restart."""
     import torch
 
     from data.render import stop_token_ids
@@ -67,8 +74,8 @@ def sample(trainee, prompts: list[list[int]], num_generations: int, max_new: int
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                 max_new_tokens=max_new, do_sample=True, temperature=temperature, top_k=0,
-                                 top_p=1.0, synced_gpus=world > 1, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+                                 max_new_tokens=max_new, synced_gpus=world > 1, pad_token_id=tokenizer.pad_token_id,
+                                 **sampling(temperature))  # fmt: skip
     finally:
         root.reshard()
         root.train(was_training)

@@ -46,11 +46,12 @@ class Sums:
         """The loss per predicted token (DPO: per pair)."""
         return self.loss / max(self.predicted, 1)
 
-    def means(self) -> dict[str, float]:
-        """The objective's metrics as means (per pair: TRL's rewards/accuracies, ...)."""
+    def means(self, names: tuple[str, ...] | None = None) -> dict[str, float]:
+        """The objective's metrics (`names`, its metric_names; DPO's by default) as means (per pair: TRL's
+        rewards/accuracies, ...; GRPO: per step)."""
         from training.dpo import METRICS
 
-        return {m: v / max(self.predicted, 1) for m, v in zip(METRICS, self.metrics, strict=False)}
+        return {m: v / max(self.predicted, 1) for m, v in zip(names or METRICS, self.metrics, strict=False)}
 
 
 @dataclass(frozen=True)
@@ -152,14 +153,17 @@ class Progress:
     rank: int
     board: object = None
     steps_per_epoch: int = 0
+    metric_names: tuple[str, ...] = ()  # the objective's (objectives.*.metric_names)
 
     def line(self, done: int, sums: Sums, lr: float, grad_norm: float, compiles: dict | None = None) -> None:
         values = {"loss": sums.mean_loss, "lr": lr, "grad_norm": grad_norm,
-                  "real_tokens_per_s": sums.real / sums.seconds if sums.seconds else 0.0} | sums.means()  # fmt: skip
+                  "real_tokens_per_s": sums.real / sums.seconds if sums.seconds else 0.0} | sums.means(
+                      self.metric_names or None)  # fmt: skip
         if self.rank != 0:
             return
         compiled = "".join(f"  {name.replace('_', ' ')} {count}" for name, count in (compiles or {}).items())
-        preferred = "".join(f"  {m} {values[m]:.4f}" for m in ("rewards/accuracies", "rewards/margins") if m in values)
+        preferred = "".join(f"  {m} {values[m]:.4f}" for m in ("rewards/accuracies", "rewards/margins", "reward",
+                                                               "reward_std") if m in values)  # fmt: skip
         worker_print(f"{self.where(done)}  loss {values['loss']:.4f}{preferred}  lr {values['lr']:.3g}  "
                      f"grad_norm {values['grad_norm']:.3f}  real tok/s {values['real_tokens_per_s']:,.0f}{compiled}")  # fmt: skip
         if self.board is not None:
@@ -184,6 +188,8 @@ class Progress:
             accuracy = held_out.get("eval_rewards/accuracies")
             preferred = "" if accuracy is None else f", chosen preferred {accuracy:.1%}"
             worker_print(f"eval at step {step}: loss {held_out['eval_loss']:.4f}{preferred}")
+        if held_out.get("eval_reward") is not None:
+            worker_print(f"eval at step {step}: mean reward {held_out['eval_reward']:.4f} (greedy, held-out prompts)")
         for i, sample in enumerate(samples):
             worker_print(f"  sample {i}: {one_line(sample['completion'], 160)}")
         if self.board is not None:
@@ -251,6 +257,8 @@ class TrainingRun:
         self.trainee, self.optimizer, self.data, self.schedule = trainee, optimizer, data, schedule
         self.settings, self.device, self.rank, self.world, self.hooks = settings, device, rank, world, hooks
         self.objective = objective_of(settings)
+        hooks.progress.metric_names = self.objective.metric_names
+        self.at = 0  # the step being taken (GRPO's samples are seeded by it)
         self.prompts = self.objective.prompts(self) if data.eval is not None else []
         self.sums = TokenSums(device)
         self.clock = time.perf_counter()  # training time since the last read of the sums (evals left out)
@@ -279,6 +287,7 @@ class TrainingRun:
         for group in micro_batch_groups(self.data.loader, settings.grad_accum):
             self.shape_sets.add(input_shapes(group))
             notice = stopping.preemption_notice() if settings.sharded_checkpoints else None
+            self.at = state.step
             self.last = self.objective.step(self, group, self.schedule.at(state.step), stopping.requested(),
                                             notice is not None)  # fmt: skip
             self.sums.add(self.last)
@@ -342,7 +351,7 @@ class TrainingRun:
                    "steps": sums.steps, "lr": self.last.lr, "grad_norm": float(self.last.grad_norm)}  # fmt: skip
         metrics = self.hooks.epoch_metrics(epoch, trained, held_out, sums.seconds) | {
             "step": step, "share": step / self.schedule.total_steps,
-        } | {"input_shape_sets": len(self.shape_sets)} | self.recompiles() | sums.means() | {k: v for k, v in held_out.items()
+        } | {"input_shape_sets": len(self.shape_sets)} | self.recompiles() | sums.means(self.objective.metric_names or None) | getattr(self.objective, "epoch_extras", dict)() | {k: v for k, v in held_out.items()
                                                                 if k.startswith(("eval_rewards", "eval_logps", "eval_preferred"))}  # fmt: skip
         self.hooks.progress.epoch(metrics)
         state = replace(state, epoch=epoch, history=(*state.history, metrics), epoch_sums=Sums())

@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 from runtime.backend import worker_print
-from runtime.memory_plan import Workload, plan, sequences_per_record
+from runtime.memory_plan import Workload, grpo_parts, plan, sequences_per_record
 from runtime.storage import uri
 from runtime.tpu_generations import by_accelerator_type
 from runtime.utilisation import describe, mfu, model_flops_per_token
@@ -53,7 +53,7 @@ def model_sizes(trainee: Trainee, settings: FinetuneSettings, world: int, dtype:
         lora=settings.lora, lora_rank=settings.lora_rank, loss_chunk=settings.loss_chunk,
         sequences=sequences_per_record(settings.objective),
         tower_params=sum(p.numel() for m in tower_modules(trainee.model) for p in m.parameters()),
-        train_towers=settings.train_towers,
+        train_towers=settings.train_towers, **grpo_parts(settings.objective, settings.beta),
     )  # fmt: skip
     return {"trainable_params": trainable, "total_params": total,
             "memory_plan_gib": round(plan(trainee.shape, workload).total_gib, 3)}  # fmt: skip
