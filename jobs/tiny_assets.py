@@ -15,6 +15,8 @@ import random
 import shutil
 from pathlib import Path
 
+from data.tiny_records import REWARD, make_pairs, make_prompts
+
 CATEGORIES = (
     "open_qa",
     "general_qa",
@@ -187,20 +189,6 @@ def make_model(out: Path, vocab_size: int, seed: int = 0, size: str = "tiny") ->
     return out
 
 
-def make_pairs(path: Path, dataset: Path, seed: int = 0) -> Path:
-    """Preference pairs (TRL's conversational format) from the tiny Dolly records: each instruction's own response
-    chosen over another record's, for --objective dpo."""
-    rng = random.Random(seed)
-    records = [json.loads(line) for line in dataset.read_text().splitlines()]
-    with open(path, "w") as f:
-        for i, r in enumerate(records):
-            other = records[(i + rng.randrange(1, len(records))) % len(records)]
-            f.write(json.dumps({"prompt": [{"role": "user", "content": r["instruction"]}],
-                                "chosen": [{"role": "assistant", "content": r["response"]}],
-                                "rejected": [{"role": "assistant", "content": other["response"]}]}) + "\n")  # fmt: skip
-    return path
-
-
 def make_tone(path: Path, hz: float, seconds: float = 0.5, rate: int = 16_000, channels: int = 1,
               loudness: float = 0.5) -> Path:  # fmt: skip
     """A sine tone as a 16-bit PCM WAV file (the standard library's `wave`: no audio package needed)."""
@@ -365,14 +353,15 @@ MEDIA_COPIES = 12  # make local's media stage: 96 records, packed into 23 rows (
 
 
 def make_all(out: Path) -> dict[str, str]:
-    """Write the model (with tokenizer), the dataset, the preference pairs, and the model with both towers with its
-    media records, under `out`; returns their paths. Assets an older version of this file made are replaced."""
+    """Write the model (with tokenizer), the dataset, the preference pairs, GRPO's prompts and reward file, and the
+    model with both towers with its media records, under `out`; returns their paths. Assets an older version of this file made are replaced."""
     model_dir, data_file, stamp = out / "model", out / "dolly.jsonl", out / ".assets_version"
     pairs_file, media_model, media_file = out / "pairs.jsonl", out / "media-model", out / "media.jsonl"
+    prompts_file, rewards_file = out / "prompts.jsonl", out / "rewards.py"
     if not stamp.exists() or stamp.read_text() != ASSETS_VERSION:
         for directory in (model_dir, media_model, out / "media"):
             shutil.rmtree(directory, ignore_errors=True)
-        for file in (data_file, pairs_file, media_file):
+        for file in (data_file, pairs_file, media_file, prompts_file, rewards_file):
             file.unlink(missing_ok=True)
     if not (model_dir / "config.json").exists():
         tokenizer = make_tokenizer(model_dir)
@@ -381,13 +370,16 @@ def make_all(out: Path) -> dict[str, str]:
         make_dataset(data_file)
     if not pairs_file.exists():
         make_pairs(pairs_file, data_file)
+    if not prompts_file.exists():
+        make_prompts(prompts_file, rewards_file)
     if not (media_model / "config.json").exists():
         make_media_model(media_model)
     if not media_file.exists():
         make_media(out, copies=MEDIA_COPIES)
     stamp.write_text(ASSETS_VERSION)
     return {"model": str(model_dir), "dataset": str(data_file), "pairs": str(pairs_file),
-            "media_model": str(media_model), "media": str(media_file)}  # fmt: skip
+            "media_model": str(media_model), "media": str(media_file), "prompts": str(prompts_file),
+            "rewards": f"{rewards_file}:{REWARD}"}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -266,6 +266,7 @@ def run_pipeline(
         "metrics": finetune["metrics"],
         "history": finetune.get("history", []),
         "loss_curve": finetune.get("loss_curve"),
+        "reward_curve": finetune.get("reward_curve"),  # (GRPO's reward.png; None otherwise)
         "samples": finetune.get("samples"),
         "data_report": finetune.get("data_report"),
         "evaluation": finetune.get("evaluation"),

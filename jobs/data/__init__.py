@@ -6,6 +6,7 @@
 - prepare: every record checked, rendered and laid out once, before any worker starts (Ray Data), under
   <storage>/prepared/<key>; prepared: those rows read back memory-mapped, and the data report
 - preference_data: DPO's pairs checked and tokenized as TRL's DPOTrainer does
+- prompt_data: GRPO's prompt records checked and tokenized; tiny_records: the tiny pairs, prompts and reward file
 
 Called by training/ (each rank's loader), evaluation/ (the held-out records) and the fine-tune's driver.
 """

@@ -6,8 +6,9 @@
 - step: one optimizer step and its parts; dpo: DPO's loss, metrics and step; preferences: the pairs'
   loaders and reference log-probabilities
 - grpo: GRPO's advantages, loss and step (TRL's); rewards: its reward functions; sampler: the learner's own
-  generation; grpo_iteration: sample, score, step (not yet an --objective: docs/grpo.md)
-- objectives: what is trained (sft or dpo); training_run: the run loop (progress, evals, saves, stops)
+  generation; grpo_iteration: sample, score, step; grpo_objective: --objective grpo in the run loop; prompts:
+  the prompts prepared once and each rank's loader
+- objectives: what is trained (sft, dpo or grpo); training_run: the run loop (progress, evals, saves, stops)
 - stopping: a preemption notice or SIGTERM turned into a save; samples: greedy answers at each eval
 
 Called by ray_train_llm_finetune.py's train_loop_per_worker, and by evaluation/.
