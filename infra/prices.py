@@ -110,6 +110,8 @@ def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
         tokens_per_s /= 4 / 3  # every layer's forward runs twice
     if cfg.job.lora:
         tokens_per_s *= 6 / 4  # frozen weights take no weight gradient: 4 FLOPs a parameter, not 6
+    if cfg.job.objective == "grpo":
+        return grpo_minutes(cfg, records, tokens_per_s)
     share = (DOLLY_REAL_SHARE, 1.0) if cfg.job.packing else (1.0, 1.0)  # rows per record: packed or padded
     # the held-out share, forward only
     eval_share = 1 + (1 / data_formats.EVAL_SHARE) / 3 if cfg.job.eval_split != "none" else 1
@@ -124,6 +126,22 @@ def training_minutes(cfg: StackConfig) -> tuple[float, float] | None:
         minutes = [(records * s * sequences * cfg.job.epochs * cfg.job.seq_len * eval_share + reference)
                    / tokens_per_s / 60 for s in share]  # fmt: skip
     return minutes[0], minutes[1] * (1 + towers_share(cfg, model))
+
+
+def grpo_minutes(cfg: StackConfig, prompts: int | None, tokens_per_s: float) -> tuple[float, float]:
+    """GRPO's (low, high) minutes: each prompt is numGenerations padded rows, each trained once (a training token
+    a position), its completion sampled by the learner first (docs/grpo.md) and, with beta, scored by the reference
+    (a forward pass: a third of a training token). A sampled token is a forward pass with the KV cache: a third of a
+    training token's compute at the low end; decoding is bound by memory, not compute, so the high end counts it as
+    a whole training token (not measured on TPU yet)."""
+    job = cfg.job
+    if job.max_steps:
+        rows = job.max_steps * job.batch_size * cfg.devices * job.grad_accum
+    else:
+        rows = prompts * job.num_generations * job.epochs
+    reference = job.seq_len / 3 if job.beta else 0.0
+    return tuple(rows * (job.seq_len + job.max_completion_length * f + reference) / tokens_per_s / 60
+                 for f in (1 / 3, 1.0))  # fmt: skip
 
 
 # Inputs a soft token costs its tower: a picture's soft token pools 3 x 3 patches of the vision tower (Gemma 4's

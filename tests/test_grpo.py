@@ -325,37 +325,164 @@ def test_a_generated_row_is_cut_after_its_first_end_of_turn_or_its_padding():
     assert cut([5, 6, 7], {9}, 0) == [5, 6, 7]
 
 
-SHORT = """def short(completions, completion_ids, **kwargs):
-    \"\"\"1 for a completion of at most 3 tokens (its end of turn included): the model must learn to stop.\"\"\"
-    return [1.0 if len(ids) <= 3 else 0.0 for ids in completion_ids]
-"""
+def grpo_settings(assets: dict, *flags: str):
+    """make local's GRPO stage on one rank: the tiny prompts, the reward file tiny_assets wrote (brief answers)."""
+    return settings({"model": assets["model"], "dataset": assets["prompts"]}, "--objective", "grpo", "--rewards",
+                    assets["rewards"], "--num-generations", "8", "--batch-size", "8", "--max-completion-length",
+                    str(MAX_COMPLETION), "--lr", "5e-3", "--lr-schedule", "constant", "--warmup-ratio", "0",
+                    "--split", "train", "--eval-tasks", "none", *flags)  # fmt: skip
 
 
 @pytest.mark.slow
-def test_the_learners_own_samples_raise_a_reward_of_its_own_within_a_few_dozen_steps(tiny_assets, tmp_path, gloo_rank):
-    """Sample, score with the user's file, step: 30 steps of 2 prompts x 8 completions on the tiny model (lr 5e-3),
-    TRL's metrics each step; the reward goes from rare to nearly always (measured: 0.06 to 1.0 by step 23)."""
-    import torch
+def test_the_run_loop_raises_a_reward_of_the_users_own_from_rare_to_nearly_always(tiny_assets, gloo_rank):
+    """--objective grpo through the job's run loop (training_run.TrainingRun, as train_loop_per_worker runs it):
+    30 steps of one prompt x 8 completions; TRL's metrics each epoch, the reward at every step (reward_curve),
+    the held-out prompts' greedy reward at each eval. Measured: 0.06 over the first 5 steps, 1.0 over the last 5."""
+    from tests.inprocess import train
 
+    _, history = train(grpo_settings(tiny_assets, "--max-steps", "30"))
+    curve = [r for h in history for r in h["reward_curve"]]
+    assert len(curve) == 30 and sum(curve[:5]) / 5 < 0.3 and sum(curve[-5:]) / 5 > 0.8, curve
+    last = history[-1]
+    assert {
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "clip_ratio/region_mean",
+        "generation_s",
+        "sync_s",
+        "step_s",
+        "sampler_tokens_per_s",
+    } <= set(last)
+    assert "kl" not in last and last["sync_s"] == 0 and last["sampler_tokens_per_s"] > 0
+    assert last["eval_rewards/brief"] == last["eval_reward"] and 0 <= last["eval_reward"] <= 1
+    assert last["step"] == 30 and 1 <= last["completions/mean_length"] <= MAX_COMPLETION
+
+
+@pytest.mark.slow
+def test_with_beta_the_reference_is_the_starting_weights_and_the_kl_grows_from_zero(tiny_assets, gloo_rank):
+    from tests.inprocess import train
+
+    _, history = train(grpo_settings(tiny_assets, "--max-steps", "6", "--beta", "0.2", "--eval-split", "none"))
+    assert history[-1]["kl"] > 0  # step 1's is 0 (the learner is the reference), later steps' not
+
+
+def _raising_rank_main(rank: int, world: int, rendezvous: str, assets: dict, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from tests.inprocess import _join
     from training.grpo import GrpoLoss
     from training.grpo_iteration import Group, iteration
-    from training.rewards import load_reward
+    from training.rewards import Reward, RewardError
 
-    (tmp_path / "mine.py").write_text(SHORT)
-    lr = 5e-3
-    trainee, optimizer = build(settings(tiny_assets, "--lr", str(lr), "--weight-decay", "0"))
-    ids = token_ids(trainee.tokenizer)
-    prompts = [{"ids": ids[q][0], "prompt": [{"role": "user", "content": q}], "columns": {"answer": a},
-                "where": f"prompts.jsonl, line {i + 1}"} for i, (q, a, _) in enumerate(PROBLEMS)]  # fmt: skip
-    rewards = [load_reward(f"{tmp_path / 'mine.py'}:short")]
-    group, knobs = Group(8, MAX_COMPLETION, 1.0), GrpoLoss(max_completion_length=MAX_COMPLETION)
-    curve = []
-    for step in range(30):
-        mine = [prompts[(2 * step) % 4], prompts[(2 * step + 1) % 4]]
-        result, metrics = iteration(trainee, optimizer, None, mine, group, rewards, [1.0], knobs, lr, 1.0, step,
-                                    torch.device("cpu"), 0, 1, seed=0)  # fmt: skip
-        curve.append(metrics["reward"])
-        assert metrics["rewards/short/mean"] == metrics["reward"] and metrics["sync_s"] == 0.0
-        assert 1 <= metrics["completions/min_length"] <= metrics["completions/mean_length"] <= MAX_COMPLETION
-        assert metrics["sampler_tokens_per_s"] > 0 and "kl" not in metrics
-    assert sum(curve[:5]) / 5 < 0.3 and sum(curve[-5:]) / 5 > 0.8, curve
+    def raises_on_large(prompts, completions, **kwargs):
+        if any("large" in p[0]["content"] for p in prompts):
+            raise ValueError("cannot score this one")
+        return [1.0] * len(completions)
+
+    _join(rank, world, rendezvous)
+    try:
+        trainee, optimizer = build(settings(assets, "--num-workers", str(world)), world)
+        before = [p.detach().clone() for p in trainee.loss.parameters()]
+        ids = token_ids(trainee.tokenizer)
+        question = PROBLEMS[rank * 3][0]  # rank 0: "What is cold?", rank 1: "What is large?"
+        prompts = [{"ids": ids[question][0], "prompt": [{"role": "user", "content": question}], "columns": {},
+                    "where": f"prompts.jsonl, line {rank * 3 + 1}"}]  # fmt: skip
+        try:
+            iteration(trainee, optimizer, None, prompts, Group(4, 8, 1.0), [Reward("raises_on_large", raises_on_large)],
+                      [1.0], GrpoLoss(max_completion_length=8), 1e-3, 1.0, 0, torch.device("cpu"), rank, world, 0)  # fmt: skip
+            message = None
+        except RewardError as err:
+            message = str(err)
+        unchanged = all(torch.equal(a, b.detach()) for a, b in zip(before, trainee.loss.parameters(), strict=True))
+        seen = [None] * world
+        dist.all_gather_object(seen, (message, unchanged))
+        if rank == 0:
+            torch.save(seen, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_reward_that_raises_on_one_rank_stops_every_rank_before_the_step(tiny_assets):
+    """Rank 1's prompt makes the reward raise: both ranks raise its RewardError, naming the function and rank 1's
+    record (none waits in the rewards' gather), and no weight moved."""
+    from tests.inprocess import _spawn
+
+    seen = _spawn(_raising_rank_main, 2, tiny_assets)
+    expected = ("reward 'raises_on_large' raised ValueError: cannot score this one (scoring the completions of "
+                "prompts.jsonl, line 4)")  # fmt: skip
+    assert seen == [(expected, True), (expected, True)]
+
+
+def test_grpo_settings_are_refused_before_anything_is_loaded_naming_the_fix(tiny_assets):
+    from config.setting_checks import check
+    from runtime.outcome import JobInputError
+
+    cases = {("--num-generations", "3"): "--batch-size 8 does not hold whole groups of --num-generations 3 "
+             "completions (a group is one prompt's, compared with each other on one rank): give 6 or another multiple "
+             "of 3, or a --num-generations that divides 8",
+             ("--rewards", "exact"): "--rewards 'exact' names 'exact', which is not one of answer_match, gsm8k, "
+             "format, regex:PATTERN or FILE.py:FUNCTION",
+             ("--rewards", "regex:(["): "--rewards 'regex:([' names 'regex:([', which is not a regular expression",
+             ("--reward-weights", "1,2"): "--reward-weights '1,2' gives 2 weights for 1 rewards (--rewards): one each",
+             ("--reward-weights", "x"): "--reward-weights 'x' is not comma-separated numbers such as 1,0.5",
+             ("--epsilon-high", "0.1"): "--epsilon-high 0.1 is below --epsilon 0.2",
+             ("--num-generations", "1"): "--num-generations 1 must be at least 2"}  # fmt: skip
+    for flags, message in cases.items():
+        with pytest.raises(JobInputError) as err:
+            check(grpo_settings(tiny_assets, *flags))
+        assert message in str(err.value), str(err.value)
+    with pytest.raises(JobInputError, match="holds instructions, not prompts with checkable answers"):
+        check(settings(tiny_assets, "--objective", "grpo", "--dataset", "databricks/databricks-dolly-15k"))
+    assert check(grpo_settings(tiny_assets)).packing is False  # a prompt is sampled, never packed
+    from config.reward_specs import entries
+
+    assert entries("gsm8k, format,regex:a,b") == ["gsm8k", "format", "regex:a,b"]
+
+
+def test_prompt_records_are_read_in_both_forms_and_bad_ones_named_by_line(tiny_assets, tmp_path):
+    """Text and turns, every other column kept for the rewards; the prompt's ids the chat template's with the
+    model's turn opened; a missing, empty or ill-formed prompt and a line that is not JSON, named in file order in
+    one message; a file without a prompt column refused naming --columns."""
+    import json
+
+    from data.prompt_data import read_prompts
+    from data.render import load_tokenizer
+    from runtime.outcome import JobInputError
+
+    tokenizer = load_tokenizer(tiny_assets["model"])
+    path = tmp_path / "prompts.jsonl"
+    good = [{"prompt": "describe the bees", "answer": "bees", "id": 1},
+            {"prompt": [{"role": "user", "content": "describe the tides"}], "answer": "tides", "id": 2}]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in good))
+    config = grpo_settings({"model": tiny_assets["model"], "prompts": str(path), "rewards": "answer_match"},
+                           "--eval-split", "none")  # fmt: skip
+    found, _, figures = read_prompts(config, tokenizer)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "describe the bees"}], tokenize=True,
+                                         return_dict=True, add_generation_prompt=True)["input_ids"]  # fmt: skip
+    assert [p["ids"] for p in found["train"]][0] == list(chat)
+    assert [(p["prompt"], p["columns"]) for p in found["train"]] == [
+        (r["prompt"], {"answer": r["answer"], "id": r["id"]}) for r in good]  # fmt: skip
+    assert figures["train"][0]["formats"] == ["prompt (conversational)", "prompt (text)"]
+    bad = [{"prompt": " ", "answer": "x"}, {"prompt": [{"role": "user", "content": "q"},
+                                                        {"role": "assistant", "content": "a"}]},
+           {"prompt": 3}, {"answer": "no prompt"}]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in good + bad) + '{"prompt": \n')
+    with pytest.raises(JobInputError) as err:
+        read_prompts(config, tokenizer)
+    assert str(err.value).splitlines() == [
+        "5 bad records:",
+        f"  {path}, line 3: prompt is empty",
+        f"  {path}, line 4: prompt ends with an assistant turn; the model's turn is the completion's",
+        f"  {path}, line 5: prompt is int; it must be non-empty text or a list of {{role, content}} turns",
+        f"  {path}, line 6: prompt is missing",
+        f"  {path}, line 7: not JSON (Expecting value): '{{\"prompt\":'",
+    ]
+    path.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    with pytest.raises(JobInputError, match=r"needs a prompt column .* its columns: question, answer \(rename with "
+                       r"--columns, e.g. --columns prompt=question\)"):  # fmt: skip
+        read_prompts(config, tokenizer)

@@ -546,3 +546,36 @@ def test_gemma_4_12b_previews_with_its_memory_plan_and_price():
     from infra.cloud.models import CONTEXT_TOKENS, known_model
 
     assert known_model("google/gemma-4-12b-it").name == "12B" and CONTEXT_TOKENS["12B"] == 262_144
+
+
+def test_a_grpo_stack_plans_the_sampler_and_the_reference_and_refuses_what_the_cluster_cannot_read():
+    """objective grpo at preview: the memory plan's sampler KV cache and, with beta, the reference copy; the minutes
+    count the sampled completions; the job gets TRL's knobs; a reward file on this machine is refused (the job runs
+    on the cluster), one on gs:// accepted; a numGenerations that splits a rank's batch refused by its key."""
+    from config.command_line import from_args, parse_args
+    from infra.config.stack import ConfigError
+    from infra.prices import training_minutes
+    from infra.runner.ray_jobs import job_specs
+    from tests.stack_harness import parse_as_cli
+
+    prompts = {"objective": "grpo", "dataset": "openai/gsm8k", "datasetConfig": "main",
+               "datasetColumns": "prompt=question", "rewards": "gsm8k", "numGenerations": "4"}  # fmt: skip
+    plain, with_beta = (run_program("v6e", stack_config("v6e", **prompts, **extra)).outputs["memoryPlan"]
+                        for extra in ({}, {"beta": "0.04"}))  # fmt: skip
+    assert plain["kv_cache"] > 0 and "reference" not in plain and with_beta["reference"] > plain["weights"]
+    low, high = training_minutes(parse_as_cli(prompts | {"maxSteps": "10"}))
+    assert 0 < low < high
+    run = run_program(
+        "v6e", stack_config("v6e", **prompts | {"beta": "0.04", "rewards": "gs://b/rewards/mine.py:score"})
+    )
+    settings = run.one("pulumi-python:dynamic:Resource", "training").inputs["settings"]
+    job = from_args(parse_args(list(job_specs(settings, 3)[1].args)))
+    assert (job.objective, job.num_generations, job.beta, job.loss_type, job.rewards) == (
+        "grpo", 4, 0.04, "dapo", "gs://b/rewards/mine.py:score")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"gemma-tpu:rewards: 'mine.py:score' is a file on this machine, which the "
+                       r"cluster's job cannot read: copy it to the bucket"):  # fmt: skip
+        run_program("v6e", stack_config("v6e", **prompts | {"rewards": "mine.py:score"}))
+    with pytest.raises(
+        ConfigError, match="gemma-tpu:batchSize: 4 does not hold whole groups of gemma-tpu:numGenerations 3"
+    ):
+        run_program("v6e", stack_config("v6e", **prompts | {"numGenerations": "3"}))

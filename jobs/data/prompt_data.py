@@ -27,7 +27,7 @@ def prompt_record(record: dict) -> dict:
             raise RecordError("prompt ends with an assistant turn; the model's turn is the completion's")
     else:
         raise RecordError(f"prompt is {type(prompt).__name__}; it must be non-empty text or a list of {{role, "
-                          "content}} turns")  # fmt: skip
+                          "content} turns")  # fmt: skip
     return {"prompt": prompt, "columns": {k: v for k, v in record.items() if k != "prompt"}}
 
 
