@@ -486,3 +486,17 @@ def test_prompt_records_are_read_in_both_forms_and_bad_ones_named_by_line(tiny_a
     with pytest.raises(JobInputError, match=r"needs a prompt column .* its columns: question, answer \(rename with "
                        r"--columns, e.g. --columns prompt=question\)"):  # fmt: skip
         read_prompts(config, tokenizer)
+
+
+def test_a_reward_file_on_this_machine_reaches_the_workers_by_its_absolute_path(tiny_assets, tmp_path, monkeypatch):
+    """The workers run in Ray's working directory, not the user's: a relative FILE.py (as docs/grpo.md's command
+    gives it) is made absolute as --dataset is; built-ins, regex: and gs:// entries stay as they are."""
+    from pathlib import Path
+
+    from config.command_line import for_this_machine
+
+    monkeypatch.chdir(Path(tiny_assets["model"]).parent)
+    spec = "gsm8k,rewards.py:brief,gs://b/r.py:f,regex:a,b"
+    assert for_this_machine(grpo_settings(tiny_assets, "--rewards", spec)).rewards == (
+        f"gsm8k,{Path(tiny_assets['model']).parent / 'rewards.py'}:brief,gs://b/r.py:f,regex:a,b"
+    )

@@ -10,6 +10,7 @@ import os
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from config import reward_specs
 from config.settings import (
     PLACEMENT,
     RECIPES,
@@ -115,4 +116,8 @@ def for_this_machine(s: FinetuneSettings) -> FinetuneSettings:
         absolute["dataset"] = str(Path(s.dataset).expanduser().resolve())
     if "://" not in s.storage_path:
         absolute["storage_path"] = str(Path(s.storage_path).expanduser().resolve())
+    if s.objective == "grpo":  # a FILE.py:FUNCTION reward on this machine, as the dataset
+        absolute["rewards"] = ",".join(
+            f"{Path(f[0]).expanduser().resolve()}:{f[1]}" if (f := reward_specs.file_and_function(e)) and
+            "://" not in f[0] else e for e in reward_specs.entries(s.rewards))  # fmt: skip
     return replace(s, **absolute)
