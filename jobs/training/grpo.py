@@ -28,9 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")  # TRL's names (its newer cispo, sapo, luspo, vespo: not here)
-SCALE_REWARDS = ("group", "batch", "none")
-IS_LEVELS = ("token", "sequence")
+from config.settings import GRPO_LOSSES as LOSS_TYPES  # TRL's names (its newer cispo, sapo, luspo, vespo: not here)
+
 STD_EPS = 1e-4  # TRL's
 METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")  # TRL's names; token means
 
