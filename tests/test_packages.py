@@ -137,3 +137,13 @@ def test_the_top_of_jobs_holds_the_entry_points_and_each_package_says_what_it_ho
     for package in packages + infra_packages:
         docstring = ast.get_docstring(ast.parse((package / "__init__.py").read_text()))
         assert docstring and len(docstring.splitlines()) >= 3, f"{package.relative_to(ROOT)}/__init__.py"
+
+
+def test_every_module_the_ranks_fork_server_preloads_is_there():
+    """multiprocessing's fork server skips a preload name that does not import without a word (forkserver.py
+    `main`), so a module moved or renamed leaves each rank importing it again (seconds of CPU a rank)."""
+    from importlib.util import find_spec
+
+    from tests.inprocess import FORKSERVER_PRELOAD
+
+    assert [name for name in FORKSERVER_PRELOAD if find_spec(name) is None] == []
