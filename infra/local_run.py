@@ -115,6 +115,10 @@ def print_grpo_outputs(outputs: dict, rewards: str) -> None:
     print(f"\nGRPO stage (objective grpo, rewards {rewards}):\n  checkpoint:  {outputs['checkpoint']}")
     print(f"  reward:      {log_lines.rewards(outputs['history'])}")
     print(f"  curve:       {outputs.get('reward_curve')}")
+    print(f"  samples:     {outputs.get('samples')}")
+    for sample in run_files.last_samples(outputs.get("samples")):
+        print(f"    step {sample['step']}: {log_lines.one_line(sample['prompt'], 60)} -> "
+              f"{log_lines.one_line(sample['completion'], 80)} (reward {sample['reward']:.2f})")  # fmt: skip
 
 
 def main() -> None:

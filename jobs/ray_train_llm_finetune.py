@@ -59,7 +59,7 @@ from evaluation.before_after import before_after, read_evaluation
 from evaluation.heldout_task import write_task
 from runtime.backend import RESOURCES_PER_WORKER, connect_ray, get_backend, worker_print
 from runtime.log_lines import HARMLESS_RAY_LINE, closing_summary, devices_used, epoch_line, one_line, quiet_ray_reports
-from runtime.outcome import exit_code
+from runtime.outcome import JobInputError, exit_code
 from runtime.run_files import (
     LOSS_PLOT,
     METRICS_FILE,
@@ -69,8 +69,10 @@ from runtime.run_files import (
     last_samples,
     run_dir,
     sample_log,
+    take_input_error,
     tensorboard,
     write_data_report,
+    write_input_error,
     write_run_report,
 )
 from runtime.storage import probe, ray_storage, uri
@@ -83,6 +85,7 @@ from training.checkpoints import (
 )
 from training.objectives import prepare_data, training_data
 from training.recipe import Schedule
+from training.rewards import RewardError
 from training.training_run import Hooks, Progress, TrainingRun, log_every
 from training.worker_hooks import epoch_metrics, model_sizes, resume, save_full, save_sharded, utilisation
 
@@ -142,6 +145,11 @@ def train_loop_per_worker(config: dict) -> None:
     backend.reset_peak_memory()
     try:
         TrainingRun(trainee, optimizer, data, schedule, settings, device, rank, world, hooks).run(state)
+    except RewardError as err:  # on every rank together (grpo_iteration.agreed): the driver raises it, once
+        checkpointer.close()
+        progress.close()
+        write_input_error(ctx, rank, str(err))
+        return
     finally:
         stopping.stop_listening()  # Ray ends its workers with SIGTERM too (2.60)
     checkpointer.close()
@@ -225,8 +233,12 @@ def run(settings: FinetuneSettings) -> dict:
     started = time.monotonic()
     # (GRPO's eval is a mean reward, not a loss: its checkpoints are kept by the training loss)
     held_out = bool((report.get("eval") or {}).get("records_used")) and settings.objective != "grpo"
+    take_input_error(settings.storage_path, run_name)  # (one an earlier driver of this run never read)
     result = trainer(settings, count, run_name, prepared.uri, held_out).fit()
     ray.shutdown()  # prints the workers' last log lines now (Ray holds repeated ones back), not after the result
+    if (bad_input := take_input_error(settings.storage_path, run_name)) is not None:
+        raise JobInputError(f"{bad_input} (the run stopped there and was not retried: each retry would fail the "
+                            "same way; any checkpoint it saved is kept)")  # fmt: skip
     done = outputs(settings, run_name, result, report)
     print(closing_summary(done, time.monotonic() - started, *devices_used(settings, count)), flush=True)
     return done
@@ -245,7 +257,8 @@ def outputs(settings: FinetuneSettings, run_name: str, result, report: dict) -> 
     samples_file = f"{run_dir(settings.storage_path, run_name)}/{SAMPLES_FILE}"
     samples = last_samples(samples_file)
     for s in samples:
-        print(f"sample at step {s['step']}: {one_line(s['prompt'], 80)} -> {one_line(s['completion'], 160)}")
+        scored = f" (reward {s['reward']:.2f})" if "reward" in s else ""  # (GRPO's)
+        print(f"sample at step {s['step']}: {one_line(s['prompt'], 80)} -> {one_line(s['completion'], 160)}{scored}")
     return {
         "run_name": run_name,
         "checkpoint": loadable,

@@ -61,11 +61,12 @@ class DirectorySaver:
 
 
 def run(settings, rank: int = 0, world: int = 1, epochs: int | None = None, on_step=None, root: str | None = None,
-        resume_from: str | None = None, evaluation=None):  # fmt: skip
+        resume_from: str | None = None, evaluation=None, samples=None):  # fmt: skip
     """The per-worker loop as train_loop_per_worker runs it (build, TrainingData, training_run.TrainingRun),
     without Ray: checkpoints under `root` (if given), resumed from `resume_from` (a checkpoint directory
     under it); `epochs` stops after that many epochs of the planned run; `on_step(step, result)` sees each
-    step. Returns (trainee, final RunState). Needs an initialised process group."""
+    step; `samples.add(step, samples)` each eval's (as run_files.SampleLog). Returns (trainee, final RunState).
+    Needs an initialised process group."""
     import json
 
     import torch
@@ -89,7 +90,7 @@ def run(settings, rank: int = 0, world: int = 1, epochs: int | None = None, on_s
     schedule = Schedule.planned(settings, data.steps)
     save = DirectorySaver(checkpointer, root, rank) if root else (lambda *_: None)
     hooks = Hooks(save, lambda _epoch, trained, held_out, _elapsed: trained | held_out,
-                  Progress(10**9, schedule.total_steps, rank), on_step=on_step, evaluation=evaluation)  # fmt: skip
+                  Progress(10**9, schedule.total_steps, rank), samples, on_step=on_step, evaluation=evaluation)  # fmt: skip
     try:
         run_ = TrainingRun(trainee, optimizer, data, schedule, settings, torch.device("cpu"), rank, world, hooks)
         state = run_.run(state, epochs)
@@ -98,9 +99,9 @@ def run(settings, rank: int = 0, world: int = 1, epochs: int | None = None, on_s
     return trainee, state
 
 
-def train(settings, rank: int = 0, world: int = 1, epochs: int | None = None, on_step=None):
+def train(settings, rank: int = 0, world: int = 1, epochs: int | None = None, on_step=None, samples=None):
     """`run` without checkpoints: (trainee, history), each epoch's training and eval results."""
-    trainee, state = run(settings, rank, world, epochs, on_step)
+    trainee, state = run(settings, rank, world, epochs, on_step, samples=samples)
     return trainee, list(state.history)
 
 

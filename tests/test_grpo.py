@@ -337,10 +337,16 @@ def grpo_settings(assets: dict, *flags: str):
 def test_the_run_loop_raises_a_reward_of_the_users_own_from_rare_to_nearly_always(tiny_assets, gloo_rank):
     """--objective grpo through the job's run loop (training_run.TrainingRun, as train_loop_per_worker runs it):
     30 steps of one prompt x 8 completions; TRL's metrics each epoch, the reward at every step (reward_curve),
-    the held-out prompts' greedy reward at each eval. Measured: 0.06 over the first 5 steps, 1.0 over the last 5."""
+    the held-out prompts' greedy reward at each eval, and their answers as samples with their rewards. Measured:
+    0.06 over the first 5 steps, 1.0 over the last 5."""
     from tests.inprocess import train
 
-    _, history = train(grpo_settings(tiny_assets, "--max-steps", "30"))
+    class Samples(list):
+        def add(self, step: int, samples: list[dict]) -> None:
+            self.append((step, samples))
+
+    answered = Samples()
+    _, history = train(grpo_settings(tiny_assets, "--max-steps", "30", "--eval-samples", "2"), samples=answered)
     curve = [r for h in history for r in h["reward_curve"]]
     assert len(curve) == 30 and sum(curve[:5]) / 5 < 0.3 and sum(curve[-5:]) / 5 > 0.8, curve
     last = history[-1]
@@ -359,6 +365,11 @@ def test_the_run_loop_raises_a_reward_of_the_users_own_from_rare_to_nearly_alway
     assert "kl" not in last and last["sync_s"] == 0 and last["sampler_tokens_per_s"] > 0
     assert last["eval_rewards/brief"] == last["eval_reward"] and 0 <= last["eval_reward"] <= 1
     assert last["step"] == 30 and 1 <= last["completions/mean_length"] <= MAX_COMPLETION
+    # each eval's first two held-out prompts, their greedy answers and rewards (the reward file's one function)
+    assert [step for step, _ in answered] == [h["step"] for h in history if "eval_reward" in h] and answered
+    for _, shown in answered:
+        assert len(shown) == 2 and all(s["prompt"] and s["reference"] for s in shown)
+        assert all(set(s["rewards"]) == {"brief"} and s["reward"] == s["rewards"]["brief"] for s in shown)
 
 
 @pytest.mark.slow
@@ -416,6 +427,26 @@ def test_a_reward_that_raises_on_one_rank_stops_every_rank_before_the_step(tiny_
     expected = ("reward 'raises_on_large' raised ValueError: cannot score this one (scoring the completions of "
                 "prompts.jsonl, line 4)")  # fmt: skip
     assert seen == [(expected, True), (expected, True)]
+
+
+def test_a_reward_error_mid_run_reaches_the_driver_once_through_the_runs_directory(tmp_path):
+    """The workers' RewardError is written to the run's directory (rank 0's), not raised (Ray Train would retry the
+    group max_failures times, failing the same way), and the driver takes it: once, the file gone after."""
+    from types import SimpleNamespace
+
+    import pyarrow.fs
+
+    from runtime.run_files import INPUT_ERROR_FILE, take_input_error, write_input_error
+
+    (tmp_path / "run").mkdir()
+    storage = SimpleNamespace(storage_filesystem=pyarrow.fs.LocalFileSystem(), experiment_fs_path=str(tmp_path / "run"))
+    ctx = SimpleNamespace(get_storage=lambda: storage)
+    write_input_error(ctx, 1, "rank 1's")  # (every rank has it; rank 0 writes it)
+    assert take_input_error(str(tmp_path), "run") is None
+    write_input_error(ctx, 0, "reward 'brief' raised KeyError: 'score'")
+    assert (tmp_path / "run" / INPUT_ERROR_FILE).exists()
+    assert take_input_error(str(tmp_path), "run") == "reward 'brief' raised KeyError: 'score'"
+    assert take_input_error(str(tmp_path), "run") is None and take_input_error(str(tmp_path), "other") is None
 
 
 def test_grpo_settings_are_refused_before_anything_is_loaded_naming_the_fix(tiny_assets):

@@ -11,6 +11,12 @@ from runtime.storage import filesystem, uri
 METRICS_FILE, LOSS_PLOT, DATA_REPORT, TENSORBOARD_DIR = "metrics.jsonl", "loss.png", "data_report.json", "tensorboard"
 REWARD_PLOT = "reward.png"  # a GRPO run's: each step's mean reward (its epochs' reward_curve)
 SAMPLES_FILE = "samples.jsonl"
+# A bad input the workers met mid-run on every rank together (a reward that raised: grpo_iteration.agreed), which
+# rank 0 writes here and the driver raises once: raised in the workers, it would be a worker error, and Ray Train
+# retries each of those up to max_failures times (ray/train/v2/_internal/execution/failure_handling/default.py
+# `_is_retryable_error`), each retry failing at the same step the same way. (A metrics-only report would not do:
+# the run's Result carries the latest checkpoint's metrics, controller.py `_build_result`.)
+INPUT_ERROR_FILE = "input_error.txt"
 
 
 def run_dir(storage_path: str, run_name: str) -> str:
@@ -179,3 +185,26 @@ def last_samples(samples_uri: str | None) -> list[dict]:
     with fs.open_input_stream(path) as f:
         rows = [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
     return [r for r in rows if r["step"] == rows[-1]["step"]] if rows else []
+
+
+def write_input_error(ctx, rank: int, message: str) -> None:
+    """Rank 0's INPUT_ERROR_FILE in the run's storage."""
+    if rank == 0:
+        storage = ctx.get_storage()
+        with storage.storage_filesystem.open_output_stream(f"{storage.experiment_fs_path}/{INPUT_ERROR_FILE}") as f:
+            f.write(message.encode())
+
+
+def take_input_error(storage_path: str, run_name: str) -> str | None:
+    """The run's INPUT_ERROR_FILE's message, the file removed (a later run of that name, resumed, starts without
+    it); None if there is none."""
+    import pyarrow.fs
+
+    fs, base = filesystem(storage_path)
+    path = f"{base.rstrip('/')}/{run_name}/{INPUT_ERROR_FILE}"
+    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+        return None
+    with fs.open_input_stream(path) as f:
+        message = f.read().decode()
+    fs.delete_file(path)
+    return message

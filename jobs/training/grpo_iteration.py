@@ -126,7 +126,8 @@ def _ended(completion: list[int], tokenizer) -> bool:
 
 def held_out_reward(run, objective) -> dict:
     """The held-out prompts' mean reward (eval_reward; each function's too), one greedy completion each, every rank
-    its share in one batch (a rank without one samples the first prompt and drops it: FSDP needs every rank)."""
+    its share in one batch (a rank without one samples the first prompt and drops it: FSDP needs every rank); the
+    first --eval-samples of them, in the records' order, as `samples` (samples.jsonl) with their rewards."""
     import numpy as np
 
     from training.rewards import score
@@ -143,7 +144,24 @@ def held_out_reward(run, objective) -> dict:
     columns = {k: [p["columns"][k] for p in asked] for k in asked[0]["columns"]}
     table = agreed(lambda: score(objective.rewards, [p["prompt"] for p in asked], completions, samples.completions,
                                  columns, run.at, [p["where"] for p in asked]))  # fmt: skip
-    everyone = np.asarray(gather_rows(table if mine else []), dtype=np.float64).reshape(-1, len(objective.rewards))
+    scored = sorted(gather_rows([(run.rank + k * run.world, texts[k], row) for k, row in enumerate(table)]
+                                if mine else []))  # fmt: skip
+    everyone = np.asarray([row for *_, row in scored], dtype=np.float64).reshape(-1, len(objective.rewards))
     weighted = np.nansum(everyone * np.asarray(objective.weights)[None], axis=1)
     out = {"eval_reward": float(weighted.mean()), "eval_loss": None}
-    return out | {f"eval_rewards/{r.name}": float(np.nanmean(everyone[:, j])) for j, r in enumerate(objective.rewards)}
+    out |= {f"eval_rewards/{r.name}": float(np.nanmean(everyone[:, j])) for j, r in enumerate(objective.rewards)}
+    shown = scored[: run.settings.eval_samples or 0]
+    return out | {"samples": [scored_sample(prompts[i], text, row, weighted[n], objective, tokenizer)
+                              for n, (i, text, row) in enumerate(shown)]}  # fmt: skip
+
+
+def scored_sample(prompt: dict, completion: str, row: list, weighted: float, objective, tokenizer) -> dict:
+    """A held-out prompt's line in samples.jsonl: SFT's keys (the reference is the columns the rewards read) and the
+    weighted reward with each function's (None where a function did not apply)."""
+    return {
+        "prompt": tokenizer.decode(prompt["ids"], skip_special_tokens=True),
+        "completion": completion.strip(),
+        "reference": "; ".join(f"{k}: {v}" for k, v in prompt["columns"].items()),
+        "reward": float(weighted),
+        "rewards": {r.name: None if math.isnan(v) else float(v) for r, v in zip(objective.rewards, row, strict=True)},
+    }

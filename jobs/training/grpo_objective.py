@@ -1,6 +1,6 @@
 """--objective grpo for the run loop (training_run.TrainingRun, as objectives.Sft and Dpo): its rewards and the
 reference weights made ready, a step (grpo_iteration.iteration over the step's prompts), the held-out prompts'
-mean reward at each eval, and no greedy samples beside it (the eval's own answers are logged with their rewards).
+mean reward at each eval, whose greedy answers are the run's samples (samples.jsonl) with their rewards.
 
 A step's loss is already the global batch's (grpo.py), so it enters the run's sums counted as one: the progress
 line's and the epoch's loss are the mean over their steps, as are the metrics (LINE_METRICS, rank 0's: every rank

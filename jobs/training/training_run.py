@@ -191,7 +191,8 @@ class Progress:
         if held_out.get("eval_reward") is not None:
             worker_print(f"eval at step {step}: mean reward {held_out['eval_reward']:.4f} (greedy, held-out prompts)")
         for i, sample in enumerate(samples):
-            worker_print(f"  sample {i}: {one_line(sample['completion'], 160)}")
+            scored = f" (reward {sample['reward']:.2f})" if "reward" in sample else ""
+            worker_print(f"  sample {i}{scored}: {one_line(sample['completion'], 160)}")
         if self.board is not None:
             if held_out.get("eval_loss") is not None:
                 self.board.add_scalar("eval/loss", held_out["eval_loss"], step)
@@ -389,7 +390,8 @@ class TrainingRun:
         with torch.compiler.set_stance("force_eager"):
             if data.eval is not None:
                 held_out = self.objective.evaluate(self)
-            samples = answer(self.trainee, self.prompts, self.device, self.world) if self.prompts else []
+            samples = held_out.pop("samples", None)  # (GRPO's: its held-out reward's own answers)
+            samples = samples or (answer(self.trainee, self.prompts, self.device, self.world) if self.prompts else [])
         if self.hooks.samples is not None and samples:
             self.hooks.samples.add(step, samples)
         self.hooks.progress.evaluated(step, held_out, samples)
