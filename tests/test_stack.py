@@ -579,3 +579,25 @@ def test_a_grpo_stack_plans_the_sampler_and_the_reference_and_refuses_what_the_c
         ConfigError, match="gemma-tpu:batchSize: 4 does not hold whole groups of gemma-tpu:numGenerations 3"
     ):
         run_program("v6e", stack_config("v6e", **prompts | {"numGenerations": "3"}))
+
+
+def test_a_grpo_data_file_without_a_prompt_column_is_refused_at_preview_naming_its_columns(tmp_path):
+    """objective grpo on a datasetFile: its first record's (a CSV's header's) columns must hold a prompt, after
+    datasetColumns' renames, or the preview names the file's columns and the rename, as the job would before Ray."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from infra.config.stack import ConfigError
+
+    grpo = {"objective": "grpo", "rewards": "answer_match", "numGenerations": "4"}
+    records = tmp_path / "math.jsonl"
+    records.write_text('\n{"question": "two and two", "answer": "4"}\n')
+    (table := tmp_path / "math.csv").write_text("question,answer\ntwo and two,4\n")
+    pq.write_table(pa.table({"prompt": ["two and two"], "answer": ["4"]}), parquet := tmp_path / "math.parquet")
+    for bad in (records, table):
+        with pytest.raises(ConfigError, match=rf"gemma-tpu:datasetFile: {bad.name} has no prompt column for "
+                           r"gemma-tpu:objective grpo \(its columns: question, answer\): rename the one that holds "
+                           r"the prompts, e.g. pulumi config set gemma-tpu:datasetColumns prompt=question"):  # fmt: skip
+            run_program("v6e", stack_config("v6e", **grpo, datasetFile=str(bad)))
+    for good in ({"datasetFile": str(records), "datasetColumns": "prompt=question"}, {"datasetFile": str(parquet)}):
+        assert run_program("v6e", stack_config("v6e", **grpo, **good)).outputs["memoryPlan"]["kv_cache"] > 0

@@ -266,6 +266,22 @@ def dataset_file(r: Reader) -> str:
     return ""
 
 
+def grpo_prompts(r: Reader, dataset_file: str, job) -> None:
+    """objective grpo on a datasetFile without a prompt column (after datasetColumns' renames) is refused at preview,
+    as the job refuses it before Ray (jobs/data/prompt_data.py prompts_of), naming the file's columns and the fix."""
+    if job.objective != "grpo" or not dataset_file:
+        return
+    try:
+        renames, columns = job.column_renames, data_formats.first_columns(dataset_file)
+    except (OSError, ValueError):  # datasetColumns' own problem (named by its check), or a file the job will name
+        return
+    if columns is None or "prompt" in [renames.get(c, c) for c in columns]:
+        return
+    r.problem(f"{key('datasetFile')}: {Path(dataset_file).name} has no prompt column for {key('objective')} grpo "
+              f"(its columns: {', '.join(columns) or 'none'}): rename the one that holds the prompts, e.g. pulumi "
+              f"config set {key('datasetColumns')} prompt=question, or give records with a prompt (text or turns)")  # fmt: skip
+
+
 def memory(r: Reader, tpu_slice: TpuSlice, job) -> None:
     """A Gemma 4 size the table knows must fit the slice's device memory, or the preview names what would."""
     from infra.cloud.models import memory_plan, memory_remedy

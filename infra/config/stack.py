@@ -129,6 +129,7 @@ def parse(
                        local_storage=str(ROOT / r.value("localStoragePath")), workers=r.positive("finetuneWorkers"))  # fmt: skip
     checks.model_and_data_refs(r, job)
     checks.towers(r, job)
+    checks.grpo_prompts(r, dataset_file, job)
     checks.num_slices(r, job.num_slices, tpu_slice, mode, collectives_workers)
     checks.flex_start(r, kind, scale_to_zero, version, job_timeout, slice_ready_timeout)
     checks.spot_grace(r, kind, mode, version)

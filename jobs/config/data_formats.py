@@ -58,3 +58,25 @@ def parse_columns(text: str | None) -> dict[str, str]:
             )
         mapping[old] = new
     return mapping
+
+
+def first_columns(path: str) -> list[str] | None:
+    """A local data file's column names, from its first record (JSON Lines), header (CSV) or schema (Parquet); None
+    where that cannot be told without reading it whole (a JSON array)."""
+    import csv
+    import json
+
+    suffix = os.path.splitext(path)[1]
+    if suffix == ".parquet":
+        import pyarrow.parquet
+
+        return list(pyarrow.parquet.read_schema(path).names)
+    with open(path, encoding="utf-8", newline="") as f:
+        if suffix == ".csv":
+            return next(csv.reader(f), [])
+        first = next((line for line in f if line.strip()), "")
+    try:
+        record = json.loads(first)
+    except json.JSONDecodeError:
+        return None  # (a JSON array or object spread over lines)
+    return list(record) if isinstance(record, dict) else None
