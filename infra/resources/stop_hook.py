@@ -30,6 +30,11 @@ import sys
 WORKER_TITLE = b"ray::RayTrainWorker"
 REASON = "DRAIN_NODE_REASON_PREEMPTION"
 AFTER_DEADLINE_S = 8  # Ray Train's restart ends the workers a poll or two after the deadline
+# How long `ray drain-node` may take: mostly its own start, a Python importing Ray's CLI (4 s of wall on an idle
+# 2-core machine, 2.7 s of CPU; over 5 s under load, where a 5 s limit fell back to SIGTERM in a CI run). The
+# drain's deadline counts from its request, so waiting for the CLI costs the deadline nothing; at most the
+# deadline less 2 s, and 15 s, so that a GCS that does not answer leaves the SIGTERM fallback time to save.
+DRAIN_CLI_S = 15
 
 
 def _cmdline(pid: int) -> bytes:
@@ -82,7 +87,7 @@ def _drain(raylet: bytes, drain_s: int) -> str | None:
              f"--node-id={node[1].decode()}", f"--reason={REASON}",
              "--reason-message=the pod is terminating (its preStop hook)", f"--deadline-remaining-seconds={drain_s}"]  # fmt: skip
     try:
-        done = subprocess.run(drain, capture_output=True, text=True, timeout=max(5, drain_s // 2))
+        done = subprocess.run(drain, capture_output=True, text=True, timeout=min(max(5, drain_s - 2), DRAIN_CLI_S))
     except (OSError, subprocess.TimeoutExpired) as err:
         return str(err)
     return None if done.returncode == 0 else done.stderr.strip()[-500:] or f"exit status {done.returncode}"
