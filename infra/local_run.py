@@ -57,10 +57,7 @@ def print_outputs(outputs: dict) -> None:
     print(f"  metrics:     {json.dumps(outputs['metrics'], sort_keys=True)}")
     print("  losses:      " + "; ".join(log_lines.epoch_losses(h) for h in outputs["history"]))
     print(f"  lossCurve:   {outputs['loss_curve']}  (metrics.jsonl beside it)")
-    print(f"  samples:     {outputs.get('samples')}")
-    for sample in run_files.last_samples(outputs.get("samples")):
-        prompt = log_lines.one_line(sample["prompt"], 60)
-        print(f"    step {sample['step']}: {prompt} -> {log_lines.one_line(sample['completion'], 100)}")
+    print_samples(outputs)
     for line in log_lines.evaluation_block(outputs.get("evaluation")):
         print(line)
     print(f"  collectives: ok={collectives['ok']} world_size={collectives['world_size']} "
@@ -111,14 +108,19 @@ def grpo_config(assets: dict) -> config.StackConfig:
                         warmupRatio="0", maxSteps="30", evalTasks="none")  # fmt: skip
 
 
+def print_samples(outputs: dict) -> None:
+    """The samples output and the last eval's answers (a GRPO run's with their rewards)."""
+    print(f"  samples:     {outputs.get('samples')}")
+    for sample in run_files.last_samples(outputs.get("samples")):
+        prompt, answer = log_lines.one_line(sample["prompt"], 60), log_lines.one_line(sample["completion"], 100)
+        print(f"    step {sample['step']}: {prompt} -> {answer}{log_lines.scored(sample)}")
+
+
 def print_grpo_outputs(outputs: dict, rewards: str) -> None:
     print(f"\nGRPO stage (objective grpo, rewards {rewards}):\n  checkpoint:  {outputs['checkpoint']}")
     print(f"  reward:      {log_lines.rewards(outputs['history'])}")
     print(f"  curve:       {outputs.get('reward_curve')}")
-    print(f"  samples:     {outputs.get('samples')}")
-    for sample in run_files.last_samples(outputs.get("samples")):
-        print(f"    step {sample['step']}: {log_lines.one_line(sample['prompt'], 60)} -> "
-              f"{log_lines.one_line(sample['completion'], 80)} (reward {sample['reward']:.2f})")  # fmt: skip
+    print_samples(outputs)
 
 
 def main() -> None:

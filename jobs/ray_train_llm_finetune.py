@@ -58,7 +58,15 @@ from data.render import load_tokenizer
 from evaluation.before_after import before_after, read_evaluation
 from evaluation.heldout_task import write_task
 from runtime.backend import RESOURCES_PER_WORKER, connect_ray, get_backend, worker_print
-from runtime.log_lines import HARMLESS_RAY_LINE, closing_summary, devices_used, epoch_line, one_line, quiet_ray_reports
+from runtime.log_lines import (
+    HARMLESS_RAY_LINE,
+    closing_summary,
+    devices_used,
+    epoch_line,
+    one_line,
+    quiet_ray_reports,
+    scored,
+)
 from runtime.outcome import JobInputError, exit_code
 from runtime.run_files import (
     LOSS_PLOT,
@@ -257,8 +265,7 @@ def outputs(settings: FinetuneSettings, run_name: str, result, report: dict) -> 
     samples_file = f"{run_dir(settings.storage_path, run_name)}/{SAMPLES_FILE}"
     samples = last_samples(samples_file)
     for s in samples:
-        scored = f" (reward {s['reward']:.2f})" if "reward" in s else ""  # (GRPO's)
-        print(f"sample at step {s['step']}: {one_line(s['prompt'], 80)} -> {one_line(s['completion'], 160)}{scored}")
+        print(f"sample at step {s['step']}: {one_line(s['prompt'], 80)} -> {one_line(s['completion'], 160)}{scored(s)}")
     return {
         "run_name": run_name,
         "checkpoint": loadable,

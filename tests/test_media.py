@@ -339,6 +339,7 @@ for path in json.loads(sys.stdin.read()):
 """
 
 
+@pytest.mark.slow  # (vLLM's loader in the serving venv: a Python importing vLLM, ~8 s)
 def test_a_picture_is_the_one_vllm_serves_and_transformers_processes_whatever_its_mode(tmp_path):
     """Every mode (transparent RGBA, LA and palette pictures, greyscale, bilevel, CMYK, JPEG) and EXIF orientation:
     the job's pixels are those vLLM 0.29's own loader gives the served model (run in the serving venv), and, for a

@@ -124,6 +124,20 @@ def test_the_drained_run_exports_the_weights_of_a_straight_one(drained, tiny_ass
         torch.testing.assert_close(tensor, straight["model"][name], rtol=1e-4, atol=1e-4, msg=name)
 
 
+def test_the_drain_waits_for_its_cli_up_to_the_deadline_less_2_s_and_at_most_15(monkeypatch):
+    """`ray drain-node`'s own start (a Python importing Ray's CLI) took over 5 s under the suite's load, and the
+    hook fell back to SIGTERM: it may take the drain's deadline less 2 s (Autopilot Spot's 10 s: 8), at most 15."""
+    given = []
+
+    def run(command, **kwargs):
+        given.append(kwargs["timeout"])
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    raylet = b"/ray/core/src/ray/raylet/raylet\0--node_id=ab12\0--gcs-address=10.0.0.2:6379\0"
+    assert [stop_hook._drain(raylet, s) for s in (4, 10, 105)] == [None] * 3 and given == [5, 8, 15]
+
+
 def test_without_a_raylet_the_hook_falls_back_to_sigterm_for_the_training_workers(tmp_path):
     """A pod whose raylet cannot be found (or drained): its RayTrainWorker processes are sent SIGTERM, which
     the training turns into save-and-stop (jobs/training/stopping.py), and the hook returns once they have ended."""

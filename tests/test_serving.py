@@ -135,6 +135,7 @@ def as_manifest(registered) -> dict:
             "spec": registered.inputs["spec"]}  # fmt: skip
 
 
+@pytest.mark.slow  # (KubeRay's CRDs and Serve's own config models: ~9 s for the first, most of it imports)
 @pytest.mark.parametrize(
     "stack, keys",
     [("v6e", {}), ("tpu7x", {}), ("v6e", {"mode": "autopilot", "serveCapacity": "spot"}),

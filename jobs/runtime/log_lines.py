@@ -12,6 +12,11 @@ HARMLESS_RAY_LINE = ("note: as the workers start, Ray logs one line 'E ... Actor
                      "... max_restarts > 0': it is harmless (Ray Train's own preemption watcher, docs/limits.md)")  # fmt: skip
 
 
+def scored(sample: dict) -> str:
+    """A GRPO sample's reward after its answer (` (reward 1.00)`); nothing for other objectives' samples."""
+    return f" (reward {sample['reward']:.2f})" if "reward" in sample else ""
+
+
 def one_line(text: str, width: int) -> str:
     """`text` on one line of at most `width` characters: whitespace runs made one space, and what is cut marked
     with an ellipsis at the end."""

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from runtime.backend import worker_print
-from runtime.log_lines import one_line
+from runtime.log_lines import one_line, scored
 from training import stopping
 from training.checkpoints import epoch_dir_name, step_dir_name
 from training.step import micro_batch_groups
@@ -191,8 +191,7 @@ class Progress:
         if held_out.get("eval_reward") is not None:
             worker_print(f"eval at step {step}: mean reward {held_out['eval_reward']:.4f} (greedy, held-out prompts)")
         for i, sample in enumerate(samples):
-            scored = f" (reward {sample['reward']:.2f})" if "reward" in sample else ""
-            worker_print(f"  sample {i}{scored}: {one_line(sample['completion'], 160)}")
+            worker_print(f"  sample {i}{scored(sample)}: {one_line(sample['completion'], 160)}")
         if self.board is not None:
             if held_out.get("eval_loss") is not None:
                 self.board.add_scalar("eval/loss", held_out["eval_loss"], step)
